@@ -1,0 +1,1 @@
+"""GGUF -> MLX conversion (installed as mlx_dgemma.convert)."""

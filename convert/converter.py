@@ -1,0 +1,288 @@
+"""``mlx-dgemma convert``: a DiffusionGemma GGUF -> an MLX model directory.
+
+The GGUF is memory-mapped and converted tensor by tensor, so peak memory is about one
+repacked tensor (the Q6_K embedding, ~1.9 GB for the published model), not the model.
+Output goes to a hidden temporary directory beside OUT_DIR and is renamed at the end:
+an interrupted or failed conversion never leaves a directory that looks like a model.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import shutil
+import struct
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from gguf import GGUFReader
+
+from .errors import ConvertError
+from .metadata import (TextConfig, array_len, field_value, generation_config, partial_rotary_factor,
+                       read_metadata)
+from .names import mlx_name
+from .tensors import Converted, check_inventory, convert_tensor
+from .writer import ShardWriter, finalize_shard_names, header_reserve, write_index
+
+DEFAULT_SHARD_BYTES = 5 * 10**9
+FORMAT_VERSION = 1
+TOKENIZER_FILE = "tokenizer_gguf.json"
+_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                     "tokenizer.ggml.merges")
+
+Progress = Callable[[int, int, int, int, str], None]
+
+
+@dataclass
+class TypeStats:
+    tensors: int = 0
+    elements: int = 0
+    gguf_bytes: int = 0
+    mlx_bytes: int = 0
+
+    @property
+    def gguf_bpw(self) -> float:
+        return 8 * self.gguf_bytes / max(1, self.elements)
+
+    @property
+    def mlx_bpw(self) -> float:
+        return 8 * self.mlx_bytes / max(1, self.elements)
+
+
+@dataclass
+class ConvertReport:
+    """What a conversion did: sizes, bits per weight per ggml type, errors (compact), time."""
+
+    source: Path
+    output: Path
+    compact: bool
+    seconds: float = 0.0
+    input_bytes: int = 0
+    output_bytes: int = 0
+    tensors: int = 0
+    peak_rss_bytes: int = 0
+    by_type: dict[str, TypeStats] = field(default_factory=dict)
+    max_abs_error: dict[str, float] = field(default_factory=dict)
+
+    def summary_lines(self) -> list[str]:
+        mode = "compact (lossy, float16 scales)" if self.compact else "exact (lossless)"
+        lines = [f"converted {self.tensors} tensors in {self.seconds:.1f} s [{mode}]",
+                 f"  input  {self.source}  {self.input_bytes / 1e9:.3f} GB",
+                 f"  output {self.output}  {self.output_bytes / 1e9:.3f} GB",
+                 f"  peak memory (max RSS) {self.peak_rss_bytes / 1e9:.2f} GB",
+                 "  type   tensors      weights   GGUF bpw   MLX bpw"]
+        for t, s in sorted(self.by_type.items()):
+            lines.append(f"  {t:<6} {s.tensors:>7} {s.elements:>12,} {s.gguf_bpw:>9.3f} {s.mlx_bpw:>9.3f}")
+        if self.compact and self.max_abs_error:
+            worst = max(self.max_abs_error.items(), key=lambda kv: kv[1])
+            lines.append(f"  max |compact - exact| = {worst[1]:.3g} (tensor {worst[0]}); "
+                         "per-tensor errors in conversion_report.json")
+        return lines
+
+    def to_dict(self) -> dict:
+        return {"source": str(self.source), "compact": self.compact, "seconds": self.seconds,
+                "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
+                "tensors": self.tensors, "peak_rss_bytes": self.peak_rss_bytes,
+                "by_type": {t: {"tensors": s.tensors, "elements": s.elements, "gguf_bpw": s.gguf_bpw,
+                                "mlx_bpw": s.mlx_bpw} for t, s in sorted(self.by_type.items())},
+                "max_abs_error": self.max_abs_error}
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """Open a GGUF memory-mapped, turning reader failures into one-line errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConvertError(f"{path}: no such file; give the path of a DiffusionGemma .gguf file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ConvertError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
+                           "download the .gguf model file itself")
+    try:
+        return GGUFReader(path, "r")
+    except (ValueError, IndexError, OSError, struct.error, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path}: cannot read the GGUF header or tensor table ({e}); the file is "
+                           "truncated or corrupt, download it again") from e
+
+
+def model_metadata(reader: GGUFReader, source: str) -> tuple[dict, TextConfig]:
+    """Metadata dict and text config, with the RoPE split read from ``rope_freqs``."""
+    md = read_metadata(reader)
+    vocab = array_len(reader, "tokenizer.ggml.tokens")
+    if vocab is None:
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embd is None:
+            raise ConvertError(f"{source}: no tokenizer.ggml.tokens and no token_embd.weight; "
+                               "cannot tell the vocabulary size")
+        vocab = int(embd.shape[1])
+    rope = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    factor = partial_rotary_factor(np.asarray(rope.data), source) if rope is not None else 0.25
+    cfg = TextConfig.from_metadata(md, vocab, source=source, partial_rotary_factor=factor)
+    check_inventory(reader, cfg, source)
+    return md, cfg
+
+
+def model_config(md: dict, cfg: TextConfig, specs: dict, compact: bool, source: str) -> dict:
+    """config.json: a diffusion_gemma config plus a per-tensor ``quantization`` section."""
+    bits = Counter(s["bits"] for s in specs.values()).most_common(1)
+    quant = {"group_size": 32, "bits": bits[0][0] if bits else 4, "mode": "affine", **specs}
+    return {
+        "model_type": "diffusion_gemma",
+        "architectures": ["DiffusionGemmaForBlockDiffusion"],
+        "canvas_length": int(md.get("diffusion.canvas_length", 256)),
+        "mask_token_id": int(md.get("tokenizer.ggml.mask_token_id", 4)),
+        "tie_word_embeddings": True,
+        "text_config": cfg.to_dict(),
+        "quantization": quant,
+        "mlx_dgemma": {"format_version": FORMAT_VERSION, "weights": "compact" if compact else "exact",
+                       "source": Path(source).name, "ggml_file_type": md.get("general.file_type"),
+                       "general.name": md.get("general.name")},
+    }
+
+
+def tokenizer_payload(reader: GGUFReader) -> dict:
+    """Everything the tokenizer needs, as stored in the GGUF (raw, so it rebuilds exactly)."""
+    out = {}
+    for k in reader.fields:
+        if k.startswith("tokenizer.") and k != "tokenizer.chat_template":
+            out[k] = field_value(reader, k, full=k in _TOKENIZER_ARRAYS)
+    return out
+
+
+def _estimate_output_bytes(reader: GGUFReader) -> int:
+    """Upper bound: padded sub-blocks double the width; float32 scales add 2 bits per weight."""
+    total = 0
+    for t in reader.tensors:
+        n = int(np.prod([int(x) for x in t.shape]))
+        total += int(t.n_bytes) if t.tensor_type.name in ("F32", "F16", "BF16") else n * 2 * (8 + 2) // 8
+    return total
+
+
+def _write_side_files(tmp: Path, md: dict, cfg_json: dict, reader: GGUFReader) -> None:
+    (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(json.dumps(generation_config(md), indent=2) + "\n")
+    (tmp / TOKENIZER_FILE).write_text(json.dumps(tokenizer_payload(reader), ensure_ascii=False))
+    if "tokenizer.chat_template" in reader.fields:
+        (tmp / "chat_template.jinja").write_text(str(field_value(reader, "tokenizer.chat_template")))
+
+
+def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False, force: bool = False,
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None) -> ConvertReport:
+    """Convert a DiffusionGemma GGUF into an MLX model directory (exact unless ``compact``)."""
+    t0 = time.perf_counter()
+    src, out = Path(gguf_path), Path(out_dir)
+    if out.exists() and not force:
+        raise ConvertError(f"{out}: output directory already exists; choose another path or pass "
+                           "--force to replace it")
+    reader = open_gguf(src)
+    md, cfg = model_metadata(reader, str(src))
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        raise ConvertError(f"{parent}: parent directory of the output does not exist; create it first")
+    need = _estimate_output_bytes(reader)
+    free = shutil.disk_usage(parent).free
+    if free < need:
+        raise ConvertError(f"{parent}: not enough disk space ({free / 1e9:.2f} GB free, the output "
+                           f"needs up to {need / 1e9:.2f} GB); free some space or choose another disk")
+    tmp = parent / f".{out.name}.partial-{os.getpid()}"
+    report = ConvertReport(src, out, compact, input_bytes=src.stat().st_size)
+    try:
+        tmp.mkdir()
+        specs = _write_shards(reader, tmp, compact, max_shard_bytes, progress, report)
+        _write_side_files(tmp, md, model_config(md, cfg, specs, compact, str(src)), reader)
+        report.seconds = time.perf_counter() - t0
+        report.output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
+        report.peak_rss_bytes = _peak_rss()
+        (tmp / "conversion_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        _swap_into_place(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            raise ConvertError(f"{parent}: no space left on device while writing the conversion "
+                               f"(needs up to {need / 1e9:.2f} GB); nothing was kept") from e
+        raise ConvertError(f"{out}: cannot write the output ({e.strerror or e}); nothing was kept") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    if out.exists():  # --force: keep the old output until the new one is complete
+        trash = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, trash)
+        os.replace(tmp, out)
+        shutil.rmtree(trash, ignore_errors=True) if trash.is_dir() else trash.unlink()
+    else:
+        os.replace(tmp, out)
+
+
+def _peak_rss() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+def _write_shards(reader: GGUFReader, tmp: Path, compact: bool, max_shard_bytes: int,
+                  progress: Progress | None, report: ConvertReport) -> dict:
+    tensors = list(reader.tensors)
+    total_bytes = sum(int(t.n_bytes) for t in tensors)
+    names = [n for t in tensors for n in _planned_names(t)]
+    reserve = header_reserve(names)
+    files: list[Path] = []
+    weight_map: dict[str, str] = {}
+    specs: dict[str, dict] = {}
+    shard: ShardWriter | None = None
+    done = 0
+    try:
+        for i, t in enumerate(tensors):
+            c = convert_tensor(t, compact=compact)
+            if shard is None or (shard.offset and shard.offset + c.nbytes > max_shard_bytes):
+                if shard is not None:
+                    shard.close()
+                shard = ShardWriter(tmp / f"shard-{len(files) + 1}.tmp", reserve)
+                files.append(shard.path)
+            for name, a in c.arrays.items():
+                shard.add(name, a)
+                weight_map[name] = shard.path.name
+            _account(report, c)
+            if c.spec is not None:
+                specs[mlx_name(t.name)[: -len(".weight")]] = c.spec.to_dict()
+            done += int(t.n_bytes)
+            if progress:
+                progress(done, total_bytes, i + 1, len(tensors), t.name)
+            del c
+        if shard is not None:
+            shard.close()
+            shard = None
+    finally:
+        if shard is not None:
+            shard.abort()
+    finalize_shard_names(tmp, files, weight_map)
+    write_index(tmp, weight_map, sum((tmp / f).stat().st_size for f in set(weight_map.values())))
+    return specs
+
+
+def _planned_names(t) -> list[str]:
+    path = mlx_name(t.name)
+    if t.tensor_type.name in ("F32", "F16", "BF16"):
+        return [path]
+    base = path[: -len(".weight")]
+    return [f"{base}.weight", f"{base}.scales", f"{base}.biases"]
+
+
+def _account(report: ConvertReport, c: Converted) -> None:
+    s = report.by_type.setdefault(c.ggml_type, TypeStats())
+    s.tensors += 1
+    s.elements += c.n_elements
+    s.gguf_bytes += c.gguf_bytes
+    s.mlx_bytes += c.nbytes
+    report.tensors += 1
+    if report.compact and c.spec is not None:
+        report.max_abs_error[c.gguf_name] = c.max_abs_error

@@ -1,0 +1,7 @@
+"""Conversion errors (one-line, user-facing)."""
+
+from ..errors import DGemmaError
+
+
+class ConvertError(DGemmaError):
+    """The input cannot be converted, or the output cannot be written; nothing was left behind."""

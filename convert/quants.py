@@ -1,0 +1,353 @@
+"""Exact repacking of ggml block formats into MLX affine quantization.
+
+MLX affine quantization stores, per group of ``group_size`` consecutive elements of a row,
+``w = scale * q + bias`` with ``q`` an unsigned ``bits``-bit integer. Every ggml type below
+is rewritten into that form *without changing a single dequantized value*:
+
+* the integer ``q`` of each element is recovered from the block's packed fields;
+* the per-group ``scale`` and ``bias`` are the float32 products ggml itself forms
+  (``d * sc``, ``-dmin * m``, ``-8 * d`` ...). They are exact in float32; the writer stores
+  them as float16 only where that is exact too (see :func:`narrowest_exact_dtype`);
+* ``q * scale`` is exact in float32 for every type (at most 24 significant bits), so MLX's
+  ``q * scale + bias`` rounds once, exactly where ggml's ``d * q - dm`` does.
+
+Types with 16-element sub-blocks (Q2_K, Q3_K, Q6_K) cannot be one MLX group (the smallest
+group is 32). They use the *padded* layout: each 16-element sub-block becomes a 32-element
+group whose last 16 entries are padding (q = 0) that multiplies zeros inserted into the
+input (see :mod:`mlx_dgemma.quantized`). The padding doubles the stored row width.
+
+Each class splits a block's bytes in struct order (the field order of ggml's ``block_*``
+structs), mirroring gguf-py's dequantizers so a reader can check one against the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import Q4_K as _GGUF_Q4_K
+
+QK_K = 256
+
+
+@dataclass(frozen=True)
+class Split:
+    """A run of blocks decoded to MLX affine form (float32 scales and biases).
+
+    q:      [n_blocks, block_size] uint8, values in [0, 2**bits)
+    scales: [n_blocks, block_size // subblock] float32
+    biases: [n_blocks, block_size // subblock] float32
+    """
+
+    q: np.ndarray
+    scales: np.ndarray
+    biases: np.ndarray
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Two raw bytes per row -> float32 column [n, 1]."""
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, n_blocks: int, width: int) -> np.ndarray:
+    """Bytes holding element j in the low nibble and element j + width in the high nibble."""
+    q = qs.reshape(n_blocks, -1, 1, width) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & np.uint8(0x0F)).reshape(n_blocks, -1)
+
+
+def _bits_of(mask: np.ndarray, n_blocks: int, n: int) -> np.ndarray:
+    """Little-endian bit unpacking: element j is bit j of the byte string."""
+    return np.unpackbits(mask, axis=-1, bitorder="little")[:, :n].reshape(n_blocks, n)
+
+
+class BlockFormat:
+    """One ggml block type, split into MLX affine fields."""
+
+    qtype: ClassVar[T]
+    bits: ClassVar[int]
+    subblock: ClassVar[int] = 32  # elements sharing one scale/bias; 16 means padded groups
+
+    @classmethod
+    def block_size(cls) -> int:
+        return GGML_QUANT_SIZES[cls.qtype][0]
+
+    @classmethod
+    def type_size(cls) -> int:
+        return GGML_QUANT_SIZES[cls.qtype][1]
+
+    @classmethod
+    def split(cls, blocks: np.ndarray) -> Split:
+        """Decode ``blocks`` ([n_blocks, type_size] uint8) into q, scales and biases."""
+        raise NotImplementedError
+
+
+class Q4_0(BlockFormat):
+    """block_q4_0 { f16 d; u8 qs[16]; }  w = d * (q - 8)"""
+
+    qtype, bits = T.Q4_0, 4
+
+    @classmethod
+    def split(cls, blocks):
+        n = blocks.shape[0]
+        d, qs = np.hsplit(blocks, [2])
+        d = _f16(d)
+        return Split(_nibbles(qs, n, 16), d, -8 * d)
+
+
+class Q4_1(BlockFormat):
+    """block_q4_1 { f16 d; f16 m; u8 qs[16]; }  w = d * q + m"""
+
+    qtype, bits = T.Q4_1, 4
+
+    @classmethod
+    def split(cls, blocks):
+        n = blocks.shape[0]
+        d, m, qs = np.hsplit(blocks, [2, 4])
+        return Split(_nibbles(qs, n, 16), _f16(d), _f16(m))
+
+
+class Q5_0(BlockFormat):
+    """block_q5_0 { f16 d; u8 qh[4]; u8 qs[16]; }  w = d * (q - 16)
+
+    qh: bit j is bit 4 of element j; qs: low nibbles as in Q4_0.
+    """
+
+    qtype, bits = T.Q5_0, 5
+
+    @classmethod
+    def split(cls, blocks):
+        n = blocks.shape[0]
+        d, qh, qs = np.hsplit(blocks, [2, 6])
+        d = _f16(d)
+        q = _nibbles(qs, n, 16) | (_bits_of(qh, n, 32) << np.uint8(4))
+        return Split(q, d, -16 * d)
+
+
+class Q5_1(BlockFormat):
+    """block_q5_1 { f16 d; f16 m; u8 qh[4]; u8 qs[16]; }  w = d * q + m"""
+
+    qtype, bits = T.Q5_1, 5
+
+    @classmethod
+    def split(cls, blocks):
+        n = blocks.shape[0]
+        d, m, qh, qs = np.hsplit(blocks, [2, 4, 8])
+        q = _nibbles(qs, n, 16) | (_bits_of(qh, n, 32) << np.uint8(4))
+        return Split(q, _f16(d), _f16(m))
+
+
+class Q8_0(BlockFormat):
+    """block_q8_0 { f16 d; i8 qs[32]; }  w = d * qs, stored as (qs + 128) with bias -128 d"""
+
+    qtype, bits = T.Q8_0, 8
+
+    @classmethod
+    def split(cls, blocks):
+        d, qs = np.hsplit(blocks, [2])
+        d = _f16(d)
+        q = (qs.copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return Split(q, d, -128 * d)
+
+
+class Q2_K(BlockFormat):
+    """block_q2_K { u8 scales[16]; u8 qs[64]; f16 d; f16 dmin; }  w = d*sc*q - dmin*m
+
+    scales[k]: low nibble sc, high nibble m of sub-block k (16 elements).
+    qs: two halves of 32 bytes; bits 2i..2i+1 of byte l hold element (half*4 + i)*32 + l.
+    """
+
+    qtype, bits, subblock = T.Q2_K, 2, 16
+
+    @classmethod
+    def split(cls, blocks):
+        n = blocks.shape[0]
+        scales, qs, d, dmin = np.hsplit(blocks, [16, 80, 82])
+        d, dmin = _f16(d), _f16(dmin)
+        shift = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        q = ((qs.reshape(n, 2, 1, 32) >> shift) & np.uint8(3)).reshape(n, QK_K)
+        sc = (scales & np.uint8(0x0F)).astype(np.float32)
+        m = (scales >> np.uint8(4)).astype(np.float32)
+        return Split(q, d * sc, -(dmin * m))
+
+
+class Q3_K(BlockFormat):
+    """block_q3_K { u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d; }  w = d*(sc-32)*(q-4)
+
+    q = low 2 bits from qs (Q2_K layout) + 4 * hmask bit; the 6-bit sc of 16 sub-blocks are
+    packed as low nibbles in scales[0:8] and high 2-bit pairs in scales[8:12] (see gguf-py).
+    """
+
+    qtype, bits, subblock = T.Q3_K, 3, 16
+
+    @classmethod
+    def split(cls, blocks):
+        n = blocks.shape[0]
+        hmask, qs, scales, d = np.hsplit(blocks, [32, 96, 108])
+        d = _f16(d)
+        lo, hi = np.hsplit(scales, [8])
+        lo = (lo.reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+        hi = (hi.reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+        sc = ((lo & np.uint8(0x0F)) | ((hi & np.uint8(0x03)) << np.uint8(4))).astype(np.float32) - 32
+        shift = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        ql = ((qs.reshape(n, 2, 1, 32) >> shift) & np.uint8(3)).reshape(n, QK_K)
+        qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
+        q = ql | (qh.reshape(n, QK_K) << np.uint8(2))  # ggml: ql - 4 * (1 - h) == (ql + 4h) - 4
+        scale = d * sc
+        return Split(q, scale, -4 * scale)
+
+
+class Q4_K(BlockFormat):
+    """block_q4_K { f16 d; f16 dmin; u8 scales[12]; u8 qs[128]; }  w = d*sc*q - dmin*m
+
+    scales: 8 (sc, m) pairs of 6 bits (ggml get_scale_min_k4); qs: 4 chunks of 32 bytes,
+    low nibbles are sub-block 2c, high nibbles sub-block 2c + 1.
+    """
+
+    qtype, bits = T.Q4_K, 4
+
+    @classmethod
+    def split(cls, blocks):
+        n = blocks.shape[0]
+        d, dmin, scales, qs = np.hsplit(blocks, [2, 4, 16])
+        sc, m = _GGUF_Q4_K.get_scale_min(scales)
+        return Split(_nibbles(qs, n, 32), _f16(d) * sc.reshape(n, 8).astype(np.float32),
+                     -(_f16(dmin) * m.reshape(n, 8).astype(np.float32)))
+
+
+class Q5_K(BlockFormat):
+    """block_q5_K { f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]; }
+
+    As Q4_K, plus bit 4 of element 32*c + l in bit c of qh[l].
+    """
+
+    qtype, bits = T.Q5_K, 5
+
+    @classmethod
+    def split(cls, blocks):
+        n = blocks.shape[0]
+        d, dmin, scales, qh, qs = np.hsplit(blocks, [2, 4, 16, 48])
+        sc, m = _GGUF_Q4_K.get_scale_min(scales)
+        high = (qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
+        q = _nibbles(qs, n, 32) | (high.reshape(n, QK_K) << np.uint8(4))
+        return Split(q, _f16(d) * sc.reshape(n, 8).astype(np.float32),
+                     -(_f16(dmin) * m.reshape(n, 8).astype(np.float32)))
+
+
+class Q6_K(BlockFormat):
+    """block_q6_K { u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d; }  w = d*sc*(q - 32)
+
+    ql: two halves of 64 bytes with nibbles as in Q4_K; qh: 2-bit pairs for the 4 quarters
+    of each 128-element half.
+    """
+
+    qtype, bits, subblock = T.Q6_K, 6, 16
+
+    @classmethod
+    def split(cls, blocks):
+        n = blocks.shape[0]
+        ql, qh, scales, d = np.hsplit(blocks, [128, 192, 208])
+        lo = _nibbles(ql, n, 64).reshape(n, 2, 128)
+        hi = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1))
+        hi = (hi & np.uint8(3)).reshape(n, 2, 128)
+        q = (lo | (hi << np.uint8(4))).reshape(n, QK_K)
+        scale = _f16(d) * scales.copy().view(np.int8).astype(np.float32)
+        return Split(q, scale, -32 * scale)
+
+
+FORMATS: dict[T, type[BlockFormat]] = {
+    cls.qtype: cls for cls in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+}
+FLOAT_TYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: None}  # BF16 kept as raw uint16
+SUPPORTED_TYPES = sorted([*FORMATS, *FLOAT_TYPES], key=lambda t: t.value)
+
+
+def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """Pack unsigned ``q`` ([..., n] uint8, n*bits % 32 == 0) into MLX's uint32 layout.
+
+    MLX reads each row as an LSB-first bitstream: element j occupies bits
+    [j*bits, (j+1)*bits) of the row's little-endian byte string.
+    """
+    per = {1: 8, 2: 4, 3: 8, 4: 2, 5: 8, 6: 4, 8: 1}[bits]  # elements per whole-byte chunk
+    nbytes = per * bits // 8
+    lead, n = q.shape[:-1], q.shape[-1]
+    chunks = q.reshape(*lead, n // per, per).astype(np.uint64)
+    acc = np.zeros(chunks.shape[:-1], dtype=np.uint64)
+    for i in range(per):
+        acc |= chunks[..., i] << np.uint64(bits * i)
+    raw = acc.view(np.uint8).reshape(*acc.shape, 8)[..., :nbytes]
+    return np.ascontiguousarray(raw).reshape(*lead, n * bits // 8).view(np.uint32)
+
+
+def unpack_bits(w: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of :func:`pack_bits` (used by verification and tests)."""
+    raw = np.ascontiguousarray(w).view(np.uint8)
+    b = np.unpackbits(raw, axis=-1, bitorder="little")
+    b = b.reshape(*raw.shape[:-1], -1, bits)
+    return (b.astype(np.uint32) << np.arange(bits, dtype=np.uint32)).sum(-1).astype(np.uint8)
+
+
+def pad_subblocks(x: np.ndarray, subblock: int) -> np.ndarray:
+    """[..., n] -> [..., 2n]: each ``subblock`` run followed by the same number of zeros."""
+    if subblock == 32:
+        return x
+    lead, n = x.shape[:-1], x.shape[-1]
+    x = x.reshape(*lead, n // subblock, 1, subblock)
+    return np.concatenate([x, np.zeros_like(x)], axis=-2).reshape(*lead, 2 * n)
+
+
+def narrowest_exact_dtype(*arrays: np.ndarray) -> type:
+    """float16 when every value survives a float16 round trip, else float32."""
+    for a in arrays:
+        with np.errstate(over="ignore"):
+            h = a.astype(np.float16)
+        if not np.array_equal(h.astype(np.float32), a):
+            return np.float32
+    return np.float16
+
+
+@dataclass(frozen=True)
+class Affine:
+    """Rows repacked for MLX: ``weight`` uint32, ``scales``/``biases`` per 32-element group."""
+
+    weight: np.ndarray
+    scales: np.ndarray
+    biases: np.ndarray
+
+
+def repack_rows(raw: np.ndarray, qtype: T, scale_dtype: type | None = None) -> Affine:
+    """Repack ``raw`` ([rows, bytes_per_row] uint8 of ggml blocks) into MLX affine arrays.
+
+    ``scale_dtype`` None keeps float32 scales; the caller decides whether float16 is exact.
+    """
+    fmt = FORMATS[qtype]
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, fmt.type_size())
+    s = fmt.split(blocks)
+    q = pad_subblocks(s.q.reshape(rows, -1), fmt.subblock)
+    scales = s.scales.reshape(rows, -1)
+    biases = s.biases.reshape(rows, -1)
+    if scale_dtype is not None:
+        scales, biases = scales.astype(scale_dtype), biases.astype(scale_dtype)
+    return Affine(pack_bits(q, fmt.bits), scales, biases)
+
+
+def dequantize_affine(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
+                      subblock: int = 32, group_size: int = 32) -> np.ndarray:
+    """NumPy reference of MLX's affine dequantization (float32), dropping sub-block padding."""
+    q = unpack_bits(weight, bits).astype(np.float32)
+    lead = q.shape[:-1]
+    q = q.reshape(*lead, -1, group_size)
+    w = q * scales.astype(np.float32)[..., None] + biases.astype(np.float32)[..., None]
+    w = w.reshape(*lead, -1)
+    return unpad_subblocks(w, subblock)
+
+
+def unpad_subblocks(w, subblock: int):
+    """Inverse of :func:`pad_subblocks` along the last axis (NumPy or MLX arrays)."""
+    if subblock == 32:
+        return w
+    lead, n = w.shape[:-1], w.shape[-1]
+    return w.reshape(*lead, n // (2 * subblock), 2, subblock)[..., 0, :].reshape(*lead, n // 2)

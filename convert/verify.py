@@ -1,0 +1,143 @@
+"""``mlx-dgemma verify OUT_DIR MODEL.gguf``: every dequantized weight against gguf-py.
+
+The reference is ``gguf.quants.dequantize`` of the original blocks; ours is what MLX's
+``mx.dequantize`` gives from the stored arrays (scales upcast to float32, sub-block padding
+dropped). Values are compared as float32, row chunk by row chunk, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+from gguf.quants import dequantize as gguf_dequantize
+
+from .converter import open_gguf
+from .errors import ConvertError
+from .names import mlx_name
+from .quants import unpad_subblocks
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "U32": np.uint32, "BF16": np.uint16,
+              "U8": np.uint8, "I32": np.int32}
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def open_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Memory-mapped arrays of one safetensors file (bfloat16 stays raw uint16)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    out = {}
+    for name, e in header.items():
+        dtype = np.dtype(_ST_DTYPES[e["dtype"]])
+        a, b = e["data_offsets"]
+        count = (b - a) // dtype.itemsize
+        out[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + n + a, shape=(count,)).reshape(e["shape"])
+    return out
+
+
+def open_model_dir(model_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config, lazily mapped weights) of a converted directory."""
+    model_dir = Path(model_dir)
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ConvertError(f"{model_dir}: no config.json; give a directory written by mlx-dgemma convert")
+    config = json.loads(cfg_path.read_text())
+    index = model_dir / "model.safetensors.index.json"
+    files = sorted({*json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
+        else [p.name for p in sorted(model_dir.glob("*.safetensors"))]
+    weights: dict[str, np.ndarray] = {}
+    for f in files:
+        if not (model_dir / f).is_file():
+            raise ConvertError(f"{model_dir / f}: shard listed in the index is missing; convert again")
+        weights.update(open_safetensors(model_dir / f))
+    return config, weights
+
+
+@dataclass
+class VerifyReport:
+    checked: int = 0
+    exact: int = 0
+    mismatches: list[str] = field(default_factory=list)
+    max_abs_error: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches and self.checked > 0
+
+
+def _mlx_dequant(w: np.ndarray, s: np.ndarray, b: np.ndarray, spec: dict) -> np.ndarray:
+    out = mx.dequantize(mx.array(np.ascontiguousarray(w)), mx.array(np.asarray(s, np.float32)),
+                        mx.array(np.asarray(b, np.float32)), group_size=spec["group_size"],
+                        bits=spec["bits"])
+    return unpad_subblocks(np.array(out), spec["subblock"])
+
+
+def verify(model_dir: str | Path, gguf_path: str | Path,
+           progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
+    """Compare every tensor of ``model_dir`` with the GGUF it was converted from."""
+    config, weights = open_model_dir(Path(model_dir))
+    reader = open_gguf(Path(gguf_path))
+    quant = config.get("quantization", {})
+    report = VerifyReport()
+    tensors = list(reader.tensors)
+    for i, t in enumerate(tensors):
+        path = mlx_name(t.name)
+        if path is None:
+            report.mismatches.append(f"{t.name}: not a DiffusionGemma tensor")
+            continue
+        base = path[: -len(".weight")] if path.endswith(".weight") else path
+        spec = quant.get(base) if isinstance(quant.get(base), dict) else None
+        shape = tuple(int(x) for x in reversed(t.shape))
+        raw = np.asarray(t.data)
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        width = shape[-1]
+        try:
+            if spec is None:
+                ours = weights[path].reshape(rows, width)
+            else:
+                w = weights[f"{base}.weight"].reshape(rows, -1)
+                s = weights[f"{base}.scales"].reshape(rows, -1)
+                b = weights[f"{base}.biases"].reshape(rows, -1)
+        except KeyError as e:
+            report.mismatches.append(f"{t.name}: {e.args[0]} missing from {model_dir}")
+            continue
+        except ValueError:
+            report.mismatches.append(f"{t.name}: stored shape does not match GGUF shape {list(shape)}")
+            continue
+        raw2 = raw.reshape(rows, -1)
+        step = max(1, _CHUNK_ELEMENTS // width)
+        bad, err = 0, 0.0
+        for r0 in range(0, rows, step):
+            ref = gguf_dequantize(raw2[r0:r0 + step], t.tensor_type).reshape(-1, width)
+            if spec is None:
+                got = np.asarray(ours[r0:r0 + step])
+                got = (got.astype(np.uint32) << 16).view(np.float32) if got.dtype == np.uint16 \
+                    else got.astype(np.float32)
+            else:
+                got = _mlx_dequant(w[r0:r0 + step], s[r0:r0 + step], b[r0:r0 + step], spec)
+            neq = ~((got == ref) | (np.isnan(got) & np.isnan(ref)))
+            bad += int(neq.sum())
+            if neq.any():
+                err = max(err, float(np.nanmax(np.abs(got - ref))))
+        report.checked += 1
+        if bad:
+            report.mismatches.append(f"{t.name}: {bad} of {rows * width} values differ "
+                                     f"(max abs error {err:.3g})")
+            report.max_abs_error[t.name] = err
+        else:
+            report.exact += 1
+        if progress:
+            progress(i + 1, len(tensors), t.name)
+    stored = {k.rsplit(".", 1)[0] if k.endswith((".scales", ".biases")) else k for k in weights}
+    expected = {mlx_name(t.name) for t in tensors}
+    expected |= {p[: -len(".weight")] for p in expected if p.endswith(".weight")}
+    extra = sorted(k for k in stored if k not in expected)
+    report.mismatches += [f"{k}: stored in {model_dir} but not in the GGUF" for k in extra]
+    return report

@@ -1,0 +1,78 @@
+"""Streaming safetensors shards: bounded memory, header written last into reserved space."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint32): "U32",
+           np.dtype(np.uint16): "BF16", np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32"}
+
+
+def st_dtype(a: np.ndarray) -> str:
+    """safetensors dtype tag; uint16 arrays are bfloat16 payloads (see tensors._BF16)."""
+    return _DTYPES[a.dtype]
+
+
+class ShardWriter:
+    """Writes one safetensors file tensor by tensor.
+
+    safetensors offsets are relative to the end of the header, so the data can be streamed
+    before the header is known: ``reserve`` bytes are left for it and padded with spaces (the
+    format allows trailing whitespace in the header).
+    """
+
+    def __init__(self, path: Path, reserve: int):
+        self.path = path
+        self.reserve = reserve + (-reserve) % 8  # keep the data 8-byte aligned
+        self.entries: dict[str, dict] = {}
+        self.offset = 0
+        self._f = open(path, "wb")
+        self._f.seek(8 + self.reserve)
+
+    def add(self, name: str, a: np.ndarray) -> None:
+        a = np.ascontiguousarray(a)
+        self._f.write(memoryview(a.reshape(-1).view(np.uint8)))
+        self.entries[name] = {"dtype": st_dtype(a), "shape": list(a.shape),
+                              "data_offsets": [self.offset, self.offset + a.nbytes]}
+        self.offset += a.nbytes
+
+    def close(self) -> None:
+        header = json.dumps({"__metadata__": {"format": "mlx"}, **self.entries},
+                            separators=(",", ":")).encode()
+        if len(header) > self.reserve:  # pragma: no cover - reserve is an upper bound
+            raise RuntimeError(f"safetensors header of {self.path} exceeds its reserved space")
+        self._f.seek(0)
+        self._f.write(struct.pack("<Q", self.reserve))
+        self._f.write(header + b" " * (self.reserve - len(header)))
+        self._f.close()
+
+    def abort(self) -> None:
+        self._f.close()
+
+
+def header_reserve(names: list[str], max_dims: int = 4) -> int:
+    """Upper bound of a header listing ``names`` (largest shapes and offsets assumed)."""
+    per = len('"":{"dtype":"BF16","shape":[],"data_offsets":[,]},') + max_dims * 17 + 2 * 16
+    return 64 + sum(len(n) + per for n in names)
+
+
+def write_index(out: Path, weight_map: dict[str, str], total: int) -> None:
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def finalize_shard_names(out: Path, files: list[Path], weight_map: dict[str, str]) -> None:
+    """Rename shard-N.tmp files to the hub-style model-0000i-of-0000n.safetensors names."""
+    n = len(files)
+    renames = {}
+    for i, f in enumerate(files, 1):
+        final = f"model-{i:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
+        os.replace(f, out / final)
+        renames[f.name] = final
+    for k, v in weight_map.items():
+        weight_map[k] = renames[v]

@@ -1,0 +1,92 @@
+"""``mlx-dgemma``: convert, verify, generate, chat, bench.
+
+Errors a user can act on print as one line and exit with status 2 (``--debug`` shows the
+traceback); heavy imports happen inside the subcommands so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import DGemmaError
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .convert.converter import convert
+    from .progress import ProgressBar
+
+    bar = ProgressBar("converting")
+    report = convert(args.gguf, args.out_dir, compact=args.compact, force=args.force,
+                     max_shard_bytes=int(args.max_shard_gb * 1e9),
+                     progress=lambda done, total, i, n, name: bar.update(done, total, f"{i}/{n} {name}"))
+    print("\n".join(report.summary_lines()))
+    if args.verify:
+        return _run_verify(args.out_dir, args.gguf)
+    return 0
+
+
+def _run_verify(out_dir: str, gguf: str) -> int:
+    from .convert.verify import verify
+    from .progress import ProgressBar
+
+    bar = ProgressBar("verifying", unit="tensors", scale=1)
+    report = verify(out_dir, gguf, progress=lambda i, n, name: bar.update(i, n, name))
+    for line in report.mismatches:
+        print(f"MISMATCH {line}")
+    verdict = "all exact" if report.ok else f"{len(report.mismatches)} tensor(s) differ"
+    print(f"verified {report.checked} tensors of {out_dir} against {gguf}: {verdict}")
+    return 0 if report.ok else 1
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    return _run_verify(args.out_dir, args.gguf)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-dgemma", description=__doc__.split("\n")[0])
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("convert", help="repack a DiffusionGemma GGUF into an MLX model directory")
+    c.add_argument("gguf", help="the .gguf file")
+    c.add_argument("out_dir", help="output directory (must not exist unless --force)")
+    c.add_argument("--compact", action="store_true",
+                   help="smaller but lossy: float16 scales, 8-bit groups for Q6_K (default: exact)")
+    c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    c.add_argument("--verify", action="store_true", help="verify every tensor after converting")
+    c.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GB)")
+    c.set_defaults(func=_cmd_convert)
+
+    v = sub.add_parser("verify", help="check a converted directory against its GGUF, bit for bit")
+    v.add_argument("out_dir")
+    v.add_argument("gguf")
+    v.set_defaults(func=_cmd_verify)
+
+    from . import commands  # generate, chat, bench (registered there to keep this file small)
+
+    commands.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DGemmaError as e:
+        if args.debug:
+            raise
+        print(f"mlx-dgemma {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"mlx-dgemma {args.command}: interrupted; nothing partial was kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

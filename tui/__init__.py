@@ -1,0 +1,1 @@
+"""Textual terminal UI (installed as mlx_dgemma.tui)."""
