@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random DiffusionGemma GGUFs in the published format, converted once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from mlx_dgemma.convert.converter import convert
+from mlx_dgemma.convert.synthetic import TinySpec, write_tiny_gguf
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] }}<turn|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("MLX_DGEMMA_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow check; set MLX_DGEMMA_SLOW=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """Q4_K_M type mix (Q4_K, Q6_K, Q5_0, Q8_0 + F32), as llama.cpp's recipe assigns them."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_k_m.gguf", TinySpec(),
+                           types="q4_k_m", chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def all_types_gguf(tmp_path_factory) -> Path:
+    """Every supported ggml type at least once across the matrices."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-all.gguf", TinySpec(), types="all",
+                           seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_gguf) -> Path:
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    convert(tiny_gguf, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def all_types_model_dir(tmp_path_factory, all_types_gguf) -> Path:
+    out = tmp_path_factory.mktemp("models") / "all"
+    convert(all_types_gguf, out)
+    return out
