@@ -1,0 +1,101 @@
+"""``load(path)``: a converted MLX directory, or a .gguf converted in memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import ModelFilesError
+from .model import DiffusionGemma, ModelArgs
+from .quantized import quantize_modules
+
+REQUIRED_FILES = ("config.json", "tokenizer_gguf.json")
+
+
+def build_model(config: dict[str, Any]) -> DiffusionGemma:
+    """An (unloaded) model whose modules match the config's quantization section."""
+    model = DiffusionGemma(ModelArgs.from_config(config))
+    quantize_modules(model, config.get("quantization", {}))
+    return model
+
+
+def _load_weights(model: nn.Module, weights: list[tuple[str, mx.array]], source: str) -> None:
+    try:
+        model.load_weights(weights, strict=True)
+    except ValueError as e:
+        raise ModelFilesError(f"{source}: weights do not match config.json ({e}); convert the model again") from e
+
+
+def _cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast float parameters (norms, router, dense weights) to ``dtype``; quantization scales
+    keep their stored dtype so quantized weights stay exact."""
+    if dtype == mx.float32:
+        return
+
+    def cast(path: str, a: mx.array):
+        if path.endswith((".scales", ".biases")) or not mx.issubdtype(a.dtype, mx.floating):
+            return a
+        return a.astype(dtype)
+
+    model.update(nn.utils.tree_map_with_path(cast, model.parameters()))
+
+
+def load_dir(path: Path, dtype: mx.Dtype = mx.float32) -> tuple[DiffusionGemma, dict]:
+    for name in REQUIRED_FILES:
+        if not (path / name).is_file():
+            raise ModelFilesError(f"{path}: {name} is missing; give a directory written by "
+                                  "`mlx-dgemma convert` (or a .gguf file)")
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") != "diffusion_gemma":
+        raise ModelFilesError(f"{path / 'config.json'}: model_type is {config.get('model_type')!r}, "
+                              "expected 'diffusion_gemma'")
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ModelFilesError(f"{path}: no .safetensors weights; convert the model again")
+    model = build_model(config)
+    weights: list[tuple[str, mx.array]] = []
+    for f in shards:
+        weights.extend(mx.load(str(f)).items())
+    _load_weights(model, weights, str(path))
+    _cast_floats(model, dtype)
+    mx.eval(model.parameters())
+    return model, config
+
+
+def load_gguf(path: Path, dtype: mx.Dtype = mx.float32, compact: bool = False,
+              progress: Callable[[int, int, str], None] | None = None) -> tuple[DiffusionGemma, dict, dict]:
+    """Convert a GGUF in memory (same repack as ``convert``); returns model, config, tokenizer data."""
+    from .convert.converter import model_config, model_metadata, open_gguf, tokenizer_payload
+    from .convert.metadata import generation_config
+    from .convert.names import mlx_name
+    from .convert.tensors import convert_tensor
+
+    reader = open_gguf(path)
+    md, cfg = model_metadata(reader, str(path))
+    specs: dict[str, dict] = {}
+    weights: list[tuple[str, mx.array]] = []
+    tensors = list(reader.tensors)
+    for i, t in enumerate(tensors):
+        c = convert_tensor(t, compact=compact)
+        for name, a in c.arrays.items():
+            arr = mx.array(a.view("uint16")).view(mx.bfloat16) if type(a).__name__ == "_BF16" else mx.array(a)
+            weights.append((name, arr))
+        if c.spec is not None:
+            specs[mlx_name(t.name)[: -len(".weight")]] = c.spec.to_dict()
+        if progress:
+            progress(i + 1, len(tensors), t.name)
+    config = model_config(md, cfg, specs, compact, str(path))
+    model = build_model(config)
+    _load_weights(model, weights, str(path))
+    _cast_floats(model, dtype)
+    mx.eval(model.parameters())
+    side = {"generation_config": generation_config(md), "tokenizer": tokenizer_payload(reader)}
+    if "tokenizer.chat_template" in reader.fields:
+        from .convert.metadata import field_value
+
+        side["chat_template"] = str(field_value(reader, "tokenizer.chat_template"))
+    return model, config, side

@@ -1,0 +1,286 @@
+"""DiffusionGemma in MLX: a causal encoder that fills a KV cache, and a bidirectional denoiser
+over a canvas that reads it.
+
+Mirrors ``transformers/models/diffusion_gemma/modeling_diffusion_gemma.py``. Encoder and
+decoder share every weight except the per-layer output scalar. No I/O and no sampling here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchLinear, _gather_sort, _scatter_unsort
+
+from .cache import KVCache, LayerCache
+from .quantized import FloatEmbedding
+
+# Token-expert pairs at or above this count are sorted by expert before gather_qmm.
+_SORT_THRESHOLD = 64
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_global_key_value_heads: int
+    head_dim: int
+    global_head_dim: int
+    layer_types: list[str]
+    sliding_window: int
+    rope_parameters: dict[str, dict[str, Any]]
+    vocab_size: int
+    num_experts: int
+    top_k_experts: int
+    moe_intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    final_logit_softcapping: float = 30.0
+    canvas_length: int = 256
+    mask_token_id: int = 4
+    pad_token_id: int = 0
+    max_position_embeddings: int = 262144
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "ModelArgs":
+        """From a converted directory's config.json (``text_config`` plus canvas settings)."""
+        tc = dict(config.get("text_config", config))
+        names = set(cls.__dataclass_fields__) - {"extra"}
+        args = {k: tc[k] for k in names if k in tc}
+        args["canvas_length"] = int(config.get("canvas_length", 256))
+        args["mask_token_id"] = int(config.get("mask_token_id", 4))
+        return cls(**args, extra={k: v for k, v in tc.items() if k not in names})
+
+    def is_sliding(self, i: int) -> bool:
+        return self.layer_types[i] == "sliding_attention"
+
+
+def _gelu(x: mx.array) -> mx.array:
+    # transformers' gelu_pytorch_tanh
+    return nn.gelu_approx(x)
+
+
+def rms_norm(x: mx.array, eps: float) -> mx.array:
+    """RMS norm without a weight (the v norm, the router's and self-conditioning's post norm)."""
+    return mx.fast.rms_norm(x, None, eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.sliding = args.is_sliding(layer_idx)
+        self.n_heads = args.num_attention_heads
+        self.head_dim = args.head_dim if self.sliding else args.global_head_dim
+        self.n_kv = args.num_key_value_heads if self.sliding else args.num_global_key_value_heads
+        self.eps = args.rms_norm_eps
+        h = args.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        if self.sliding:  # global layers have no V projection: V is the raw K projection
+            self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
+        rope = args.rope_parameters["sliding_attention" if self.sliding else "full_attention"]
+        self.rope_base = float(rope["rope_theta"])
+        self.rotated = int(rope.get("partial_rotary_factor", 1.0) * self.head_dim // 2)
+
+    def rope(self, x: mx.array, offset: int, freqs: mx.array | None) -> mx.array:
+        if freqs is None:
+            return mx.fast.rope(x, self.head_dim, traditional=False, base=self.rope_base, scale=1.0,
+                                offset=offset)
+        return mx.fast.rope(x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset,
+                            freqs=freqs)
+
+    def __call__(self, x: mx.array, cache: LayerCache, offset: int, encode: bool,
+                 freqs: mx.array | None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+        k_raw = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
+        v = self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim) if self.sliding else k_raw
+        q = self.rope(self.q_norm(q).transpose(0, 2, 1, 3), offset, freqs)  # [B, H, L, D]
+        k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset, freqs)  # [B, Hkv, L, D]
+        v = rms_norm(v, self.eps).transpose(0, 2, 1, 3)  # [B, Hkv, L, D]
+        keys, values, mask = cache.attend(k, v, offset, encode)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # [B, L, H*D]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """Gated GELU MLP (the dense branch, and the self-conditioning block)."""
+
+    def __init__(self, dims: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dims, hidden, bias=False)
+        self.up_proj = nn.Linear(dims, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dims, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(_gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k softmax router fed the *un-normalized* residual stream."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.eps = args.rms_norm_eps
+        self.top_k = args.top_k_experts
+        self.root = args.hidden_size**-0.5
+        self.proj = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.scale = mx.ones((args.hidden_size,))
+        self.per_expert_scale = mx.ones((args.num_experts,))
+
+    def __call__(self, h: mx.array) -> tuple[mx.array, mx.array]:
+        x = rms_norm(h, self.eps) * self.scale * self.root
+        probs = mx.softmax(self.proj(x).astype(mx.float32), axis=-1)
+        idx = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        w = mx.take_along_axis(probs, idx, axis=-1)
+        w = w / w.sum(axis=-1, keepdims=True)
+        return idx, w * self.per_expert_scale[idx]
+
+
+class Experts(nn.Module):
+    """Stacked experts; gate and up fused in one tensor (gate rows first)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        e, h, i = args.num_experts, args.hidden_size, args.moe_intermediate_size
+        self.inter = i
+        self.gate_up_proj = SwitchLinear(h, 2 * i, e, bias=False)
+        self.down_proj = SwitchLinear(i, h, e, bias=False)
+
+    def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
+        shape = x.shape
+        x = mx.expand_dims(x.reshape(-1, shape[-1]), (-2, -3))  # [N, 1, 1, H]
+        idx = idx.reshape(-1, idx.shape[-1])  # [N, K]
+        do_sort = idx.size >= _SORT_THRESHOLD
+        inv = None
+        ids = idx
+        if do_sort:
+            x, ids, inv = _gather_sort(x, idx)
+        gu = self.gate_up_proj(x, ids, sorted_indices=do_sort)  # [., 1, 2I]
+        act = _gelu(gu[..., : self.inter]) * gu[..., self.inter:]
+        y = self.down_proj(act, ids, sorted_indices=do_sort)  # [., 1, H]
+        if do_sort:
+            y = _scatter_unsort(y, inv, idx.shape)  # [N, K, 1, H]
+        y = y.squeeze(-2)  # [N, K, H]
+        y = (y * weights.reshape(-1, weights.shape[-1], 1).astype(y.dtype)).sum(axis=-2)
+        return y.reshape(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        h, eps = args.hidden_size, args.rms_norm_eps
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(h, args.intermediate_size)
+        self.router = Router(args)
+        self.experts = Experts(args)
+        self.input_layernorm = nn.RMSNorm(h, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
+        self.pre_feedforward_layernorm = nn.RMSNorm(h, eps=eps)
+        self.post_feedforward_layernorm_1 = nn.RMSNorm(h, eps=eps)
+        self.pre_feedforward_layernorm_2 = nn.RMSNorm(h, eps=eps)
+        self.post_feedforward_layernorm_2 = nn.RMSNorm(h, eps=eps)
+        self.post_feedforward_layernorm = nn.RMSNorm(h, eps=eps)
+        self.layer_scalar = mx.ones((1,))  # decoder (canvas) pass
+        self.encoder_layer_scalar = mx.ones((1,))  # encoder (prompt, committed canvas) pass
+
+    def __call__(self, x: mx.array, cache: LayerCache, offset: int, encode: bool,
+                 freqs: mx.array | None) -> mx.array:
+        r = x
+        h = self.self_attn(self.input_layernorm(x), cache, offset, encode, freqs)
+        h = r + self.post_attention_layernorm(h)
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        idx, w = self.router(h)
+        moe = self.experts(self.pre_feedforward_layernorm_2(h), idx, w)
+        moe = self.post_feedforward_layernorm_2(moe)
+        h = h + self.post_feedforward_layernorm(dense + moe)
+        scalar = self.encoder_layer_scalar if encode else self.layer_scalar
+        return h * scalar.astype(h.dtype)
+
+
+class SelfConditioning(nn.Module):
+    """Previous step's soft embeddings -> gated MLP -> added to the canvas -> unweighted norm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.eps = args.rms_norm_eps
+        self.pre_norm = nn.RMSNorm(args.hidden_size, eps=self.eps)
+        mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def __call__(self, embeds: mx.array, soft: mx.array | None) -> mx.array:
+        if soft is not None:  # a zero signal contributes exactly zero (step 1)
+            n = self.pre_norm(soft)
+            embeds = embeds + self.down_proj(_gelu(self.gate_proj(n)) * self.up_proj(n))
+        return rms_norm(embeds, self.eps)
+
+
+class DiffusionGemma(nn.Module):
+    """The text model: ``prefill`` (encoder pass) and ``denoise`` (decoder pass)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = FloatEmbedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(args)
+        self.rope_freqs = mx.ones((args.global_head_dim // 2,))
+        self.embed_scale = math.sqrt(args.hidden_size)
+
+    def _global_freqs(self) -> mx.array:
+        """Wavelengths base^(2i/d) times llama.cpp's factors (1 = rotate, 1e30 = keep)."""
+        d = self.args.global_head_dim
+        base = float(self.args.rope_parameters["full_attention"]["rope_theta"])
+        return (base ** (mx.arange(0, d, 2, dtype=mx.float32) / d)) * self.rope_freqs
+
+    def embed(self, ids: mx.array, dtype: mx.Dtype) -> mx.array:
+        return self.embed_tokens(ids).astype(dtype) * mx.array(self.embed_scale, dtype=dtype)
+
+    def make_cache(self) -> KVCache:
+        return KVCache(self.args)
+
+    def _layers(self, h: mx.array, cache: KVCache, encode: bool) -> mx.array:
+        freqs = self._global_freqs()
+        offset = cache.offset
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cache[i], offset, encode, None if layer.self_attn.sliding else freqs)
+        return h
+
+    def prefill(self, ids: mx.array, cache: KVCache, dtype: mx.Dtype = mx.float32) -> None:
+        """Encoder pass: causal (windowed on sliding layers) over ``ids`` [B, P]; extends the cache."""
+        h = self.embed(ids, dtype)
+        h = self._layers(h, cache, encode=True)
+        cache.advance(ids.shape[1])
+        mx.eval(cache.state())
+
+    def denoise(self, canvas: mx.array, cache: KVCache, self_conditioning_logits: mx.array | None = None,
+                dtype: mx.Dtype = mx.float32) -> mx.array:
+        """Decoder pass over ``canvas`` [B, C]: logits [B, C, V] (float32, after the softcap).
+
+        The canvas attends to the whole cache window and to itself, bidirectionally; its
+        positions continue after the cached length. The cache is only read.
+        """
+        h = self.embed(canvas, dtype)
+        soft = None
+        if self_conditioning_logits is not None:
+            probs = mx.softmax(self_conditioning_logits.astype(mx.float32), axis=-1)
+            soft = self.embed_tokens.soft_lookup(probs.astype(dtype)) * mx.array(self.embed_scale, dtype=dtype)
+        h = self.self_conditioning(h, soft)
+        h = self._layers(h, cache, encode=False)
+        return self.logits(self.norm(h))
+
+    def logits(self, h: mx.array) -> mx.array:
+        x = self.embed_tokens.as_linear(h).astype(mx.float32)
+        cap = self.args.final_logit_softcapping
+        return mx.tanh(x / cap) * cap
