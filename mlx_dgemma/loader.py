@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map_with_path
 
 from .errors import ModelFilesError
 from .model import DiffusionGemma, ModelArgs
@@ -41,7 +42,7 @@ def _cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
             return a
         return a.astype(dtype)
 
-    model.update(nn.utils.tree_map_with_path(cast, model.parameters()))
+    model.update(tree_map_with_path(cast, model.parameters()))
 
 
 def load_dir(path: Path, dtype: mx.Dtype = mx.float32) -> tuple[DiffusionGemma, dict]:
