@@ -44,7 +44,9 @@ def field_value(reader: GGUFReader, key: str, full: bool = False) -> Any:
             return f"<array of {len(f.data)}>"
         if f.types[-1] == GGUFValueType.STRING:
             return [bytes(f.parts[i]).decode("utf-8", errors="surrogateescape") for i in f.data]
-        return [f.parts[i].tolist()[0] for i in f.data]
+        if not f.data:
+            return []
+        return np.concatenate([f.parts[i] for i in f.data]).tolist()  # one pass, not per item
     return f.contents()
 
 

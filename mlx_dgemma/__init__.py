@@ -1,3 +1,25 @@
-"""mlx-dgemma: DiffusionGemma on MLX from GGUF files."""
+"""mlx-dgemma: DiffusionGemma (block text diffusion, Gemma 4 MoE) on MLX, from GGUF files.
+
+    from mlx_dgemma import load, generate
+    model, tokenizer = load("path/to/converted-dir-or-model.gguf")
+    print(generate(model, tokenizer, "Why is the sky blue?"))
+"""
+
+from __future__ import annotations
 
 __version__ = "0.1.0"
+
+__all__ = ["load", "generate", "stream_generate", "ChatSession", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import mlx_dgemma` stays cheap (the CLI's --help, the TUI's first paint).
+    if name == "load":
+        from .api import load
+
+        return load
+    if name in ("generate", "stream_generate", "ChatSession"):
+        from . import generation as g
+
+        return getattr(g, name)
+    raise AttributeError(name)

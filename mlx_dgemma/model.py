@@ -265,20 +265,33 @@ class DiffusionGemma(nn.Module):
         mx.eval(cache.state())
 
     def denoise(self, canvas: mx.array, cache: KVCache, self_conditioning_logits: mx.array | None = None,
-                dtype: mx.Dtype = mx.float32) -> mx.array:
+                dtype: mx.Dtype = mx.float32, sc_top_k: int | None = None) -> mx.array:
         """Decoder pass over ``canvas`` [B, C]: logits [B, C, V] (float32, after the softcap).
 
         The canvas attends to the whole cache window and to itself, bidirectionally; its
-        positions continue after the cached length. The cache is only read.
+        positions continue after the cached length. The cache is only read. ``sc_top_k``
+        approximates self-conditioning with each position's k most likely tokens.
         """
         h = self.embed(canvas, dtype)
         soft = None
         if self_conditioning_logits is not None:
-            probs = mx.softmax(self_conditioning_logits.astype(mx.float32), axis=-1)
-            soft = self.embed_tokens.soft_lookup(probs.astype(dtype)) * mx.array(self.embed_scale, dtype=dtype)
+            soft = self.soft_embeddings(self_conditioning_logits, dtype, sc_top_k)
         h = self.self_conditioning(h, soft)
         h = self._layers(h, cache, encode=False)
         return self.logits(self.norm(h))
+
+    def soft_embeddings(self, logits: mx.array, dtype: mx.Dtype, top_k: int | None = None) -> mx.array:
+        """softmax(logits) @ E * sqrt(hidden), from the quantized embedding directly."""
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+        if top_k is None:
+            soft = self.embed_tokens.soft_lookup(probs.astype(dtype))
+        else:
+            idx = mx.argpartition(-probs, kth=top_k - 1, axis=-1)[..., :top_k]  # [B, C, k]
+            p = mx.take_along_axis(probs, idx, axis=-1)
+            p = p / p.sum(axis=-1, keepdims=True)
+            rows = self.embed_tokens(idx).astype(dtype)  # [B, C, k, H]
+            soft = (p.astype(dtype)[..., None] * rows).sum(axis=-2)
+        return soft * mx.array(self.embed_scale, dtype=dtype)
 
     def logits(self, h: mx.array) -> mx.array:
         x = self.embed_tokens.as_linear(h).astype(mx.float32)

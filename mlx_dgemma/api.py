@@ -1,0 +1,40 @@
+"""``load``: the one entry point that turns a path into (model, tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import json
+
+import mlx.core as mx
+
+from .errors import ModelFilesError
+from .model import DiffusionGemma
+from .tokenizer import Tokenizer
+
+
+def load(path: str | Path, dtype: mx.Dtype = mx.float32, compact: bool = False,
+         progress: Callable[[int, int, str], None] | None = None) -> tuple[DiffusionGemma, Tokenizer]:
+    """Load a converted directory, or convert a .gguf in memory (exact unless ``compact``).
+
+    The model's generation defaults (generation_config.json or the GGUF's) are attached as
+    ``model.generation_config``.
+    """
+    from .loader import load_dir, load_gguf
+
+    p = Path(path)
+    if p.is_dir():
+        model, _ = load_dir(p, dtype=dtype)
+        tokenizer = Tokenizer.from_dir(p)
+        gen_file = p / "generation_config.json"
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    elif p.is_file():
+        model, _, side = load_gguf(p, dtype=dtype, compact=compact, progress=progress)
+        tokenizer = Tokenizer(side["tokenizer"], side.get("chat_template"))
+        gen = side["generation_config"]
+    else:
+        raise ModelFilesError(f"{p}: no such file or directory; give a .gguf file or a directory written "
+                              "by `mlx-dgemma convert`")
+    object.__setattr__(model, "generation_config", gen)  # a plain attribute, not a parameter
+    return model, tokenizer

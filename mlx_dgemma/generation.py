@@ -1,0 +1,281 @@
+"""Block diffusion generation in layers:
+
+``denoise_block`` (a step generator over one canvas) -> ``stream_generate`` (frozen event
+dataclasses: steps, committed blocks, a final summary) -> ``generate`` (the text).
+``ChatSession`` keeps the KV cache between turns so a follow-up only prefills new tokens.
+The CLI and the TUI use only ``stream_generate`` / ``ChatSession.stream``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import KVCache
+from .chat import ParsedAnswer, parse_answer, render_chat
+from .errors import ParameterError
+from .model import DiffusionGemma
+from .sampler import SamplerParams, StableAndConfident, finalize_block, sample_step, temperature
+from .tokenizer import Tokenizer
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One denoising step of one block (arrays are read-only, one row per canvas position)."""
+
+    block: int  # 0-based block index
+    step: int  # 1-based step within the block
+    max_steps: int
+    canvas: np.ndarray  # the next canvas: accepted draws, renoised elsewhere [C] int32
+    draft: np.ndarray  # argmax canvas of this step [C] int32
+    accepted: np.ndarray  # [C] bool
+    entropy: np.ndarray  # [C] float32, of the temperature-scaled logits
+    mean_entropy: float
+    temperature: float
+    seconds: float
+    stopped: bool  # the stopping rule fired at this step
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """A committed block (the argmax canvas at the stopping step, padded after EOS)."""
+
+    block: int
+    tokens: tuple[int, ...]
+    steps: int
+    finished: bool  # an EOS id was committed
+    text: str  # the answer so far (thought channel removed)
+    thinking: str  # the thought channel so far
+    raw_text: str  # everything decoded, specials included
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The summary of one answer."""
+
+    text: str
+    thinking: str
+    tokens: tuple[int, ...]
+    finish_reason: str  # "eos" | "length" | "cancelled"
+    prompt_tokens: int
+    prefill_seconds: float
+    prefill_tokens_per_second: float
+    steps: int
+    steps_per_block: tuple[int, ...]
+    seconds_per_step: float
+    tokens_per_forward: float
+    generation_seconds: float
+    peak_memory_bytes: int
+
+
+@dataclass(frozen=True)
+class PrefillEvent:
+    tokens: int
+    seconds: float
+
+
+Event = StepEvent | BlockEvent | DoneEvent | PrefillEvent
+
+
+@dataclass
+class BlockResult:
+    tokens: list[int]
+    steps: int
+
+
+def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, key: mx.array,
+                  dtype: mx.Dtype = mx.float32, block: int = 0,
+                  initial_canvas: mx.array | None = None) -> Iterator[StepEvent | BlockResult]:
+    """Denoise one canvas against ``cache``: yields a StepEvent per step, then a BlockResult.
+
+    Per step only the canvas, draft, accepted mask and entropies ([C] each) reach the host.
+    """
+    C, V = model.args.canvas_length, model.args.vocab_size
+    key, k0 = mx.random.split(key)
+    canvas = initial_canvas if initial_canvas is not None else \
+        mx.random.randint(0, V, (1, C), key=k0).astype(mx.int32)
+    stopper = StableAndConfident(params.stability_threshold, params.confidence_threshold)
+    sc_logits = None
+    argmax = canvas
+    N = params.max_denoising_steps
+    for i, left in enumerate(range(N, 0, -1), start=1):
+        t0 = time.perf_counter()
+        key, sub = mx.random.split(key)
+        temp = temperature(left, params)
+        logits = model.denoise(canvas, cache, sc_logits, dtype=dtype, sc_top_k=params.sc_top_k)
+        out = sample_step(logits, temp, params.entropy_bound, V, sub)
+        stop = stopper(out["argmax"], out["entropy"])
+        mx.eval(out["canvas"], out["argmax"], out["accepted"], out["entropy"], stop, stopper.history)
+        argmax, canvas, sc_logits = out["argmax"], out["canvas"], out["processed"]
+        entropy = np.array(out["entropy"][0])
+        stopped = bool(stop[0].item())
+        yield StepEvent(block, i, N, _frozen(np.array(canvas[0])), _frozen(np.array(argmax[0])),
+                        _frozen(np.array(out["accepted"][0])), _frozen(entropy), float(entropy.mean()),
+                        float(temp), time.perf_counter() - t0, stopped)
+        if stopped:
+            break
+    yield BlockResult(np.array(argmax[0]).astype(np.int64).tolist(), i)
+
+
+def _peak_memory() -> int:
+    try:
+        return int(mx.get_peak_memory())
+    except AttributeError:  # pragma: no cover - older MLX
+        return 0
+
+
+class ChatSession:
+    """A conversation: the cache and the token history persist across turns."""
+
+    def __init__(self, model: DiffusionGemma, tokenizer: Tokenizer, generation_config: dict | None = None,
+                 dtype: mx.Dtype = mx.float32, enable_thinking: bool = False, system: str | None = None):
+        self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
+        self.params = SamplerParams.from_config(generation_config)
+        self.enable_thinking = enable_thinking
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        self.cache = model.make_cache()
+        self.history: list[int] = []  # every token in the cache, in order
+
+    def reset(self) -> None:
+        self.cache = self.model.make_cache()
+        self.history = []
+        self.messages = [m for m in self.messages if m["role"] == "system"]
+
+    def _new_prompt_tokens(self, user: str) -> list[int]:
+        self.messages.append({"role": "user", "content": user})
+        text = render_chat(self.messages, self.tokenizer.chat_template, enable_thinking=self.enable_thinking)
+        ids = self.tokenizer.encode(text)
+        if self.history and ids[: len(self.history)] != self.history:
+            # The template does not reproduce the cached tokens (e.g. it drops thoughts from
+            # earlier turns): continue the cached conversation with just this turn's markup.
+            turn = render_chat([{"role": "user", "content": user}], "{% for m in messages %}"
+                               "\n<|turn>user\n{{ m['content'] | trim }}<turn|>\n<|turn>model\n"
+                               "{% if not enable_thinking %}<|channel>thought\n<channel|>{% endif %}"
+                               "{% endfor %}", enable_thinking=self.enable_thinking)
+            return self.tokenizer.encode(turn)
+        return ids[len(self.history):]
+
+    def stream(self, user: str, cancel: Callable[[], bool] | None = None, **overrides: Any) -> Iterator[Event]:
+        """Answer ``user``; yields events (see :func:`stream_generate`)."""
+        if not isinstance(user, str) or not user.strip():
+            raise ParameterError("prompt: empty; give some text")
+        new = self._new_prompt_tokens(user)
+        params = self.params.with_overrides(**overrides)
+        answer_ids: list[int] = []
+        for ev in _run(self.model, self.tokenizer, self.cache, new, params, self.dtype, cancel,
+                       history_len=len(self.history), commit_last=True):
+            if isinstance(ev, DoneEvent):
+                answer_ids = list(ev.tokens)
+            yield ev
+        self.history += new + answer_ids
+        self.messages.append({"role": "assistant", "content": parse_answer(
+            self.tokenizer.decode(answer_ids)).answer})
+
+
+def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | list[dict[str, str]] | list[int],
+                    *, generation_config: dict | None = None, dtype: mx.Dtype = mx.float32,
+                    enable_thinking: bool = False, chat: bool = True,
+                    cancel: Callable[[], bool] | None = None, **params: Any) -> Iterator[Event]:
+    """Generate an answer; yields PrefillEvent, StepEvents, BlockEvents, then a DoneEvent.
+
+    ``prompt`` is a user message (rendered with the chat template unless ``chat=False``),
+    a list of messages, or token ids. ``params`` override generation_config values
+    (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
+    confidence_threshold, max_new_tokens, seed, sc_top_k).
+    """
+    p = SamplerParams.from_config(generation_config, **params)
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ParameterError("prompt: empty; give some text")
+        text = render_chat([{"role": "user", "content": prompt}], tokenizer.chat_template,
+                           enable_thinking=enable_thinking) if chat else prompt
+        ids = tokenizer.encode(text, add_bos=not chat)
+    elif prompt and isinstance(prompt[0], dict):
+        ids = tokenizer.encode(render_chat(list(prompt), tokenizer.chat_template, enable_thinking=enable_thinking))
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ParameterError("prompt: no tokens; give some text")
+    yield from _run(model, tokenizer, model.make_cache(), ids, p, dtype, cancel, history_len=0)
+
+
+def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[int], p: SamplerParams,
+         dtype: mx.Dtype, cancel: Callable[[], bool] | None, history_len: int,
+         commit_last: bool = False) -> Iterator[Event]:
+    """Prefill ``ids`` into ``cache`` and generate. ``commit_last`` also encodes the final
+    block, so a chat session's cache holds the whole answer for the next turn."""
+    C = model.args.canvas_length
+    n_blocks = math.ceil(p.max_new_tokens / C)
+    limit = model.args.max_position_embeddings
+    if history_len + len(ids) + n_blocks * C > limit:
+        raise ParameterError(f"prompt: {history_len + len(ids)} tokens plus {n_blocks} block(s) of {C} exceed "
+                             f"the context of {limit}; shorten the prompt or max_new_tokens")
+    if max(ids) >= model.args.vocab_size or min(ids) < 0:
+        raise ParameterError(f"prompt: token ids must be in [0, {model.args.vocab_size})")
+    mx.reset_peak_memory() if hasattr(mx, "reset_peak_memory") else None
+    key = mx.random.key(p.seed if p.seed is not None else time.time_ns() % (2**63))
+    t0 = time.perf_counter()
+    model.prefill(mx.array([ids], dtype=mx.int32), cache, dtype=dtype)
+    prefill_s = time.perf_counter() - t0
+    yield PrefillEvent(len(ids), prefill_s)
+    out: list[int] = []
+    steps_per_block: list[int] = []
+    step_seconds = 0.0
+    reason = "length"
+    t_gen = time.perf_counter()
+    for b in range(n_blocks):
+        key, sub = mx.random.split(key)
+        result: BlockResult | None = None
+        for ev in denoise_block(model, cache, p, sub, dtype=dtype, block=b):
+            if isinstance(ev, BlockResult):
+                result = ev
+                break
+            step_seconds += ev.seconds
+            yield ev
+            if cancel is not None and cancel():
+                reason = "cancelled"
+                break
+        if reason == "cancelled":
+            break
+        assert result is not None
+        block, finished = finalize_block(result.tokens, p.eos_token_id, p.pad_token_id)
+        steps_per_block.append(result.steps)
+        out += block
+        raw = tokenizer.decode(out)
+        parsed = parse_answer(raw)
+        yield BlockEvent(b, tuple(block), result.steps, finished, parsed.answer, parsed.thinking, raw)
+        last = finished or b + 1 == n_blocks
+        if not last or commit_last:  # commit the block through the encoder
+            model.prefill(mx.array([block], dtype=mx.int32), cache, dtype=dtype)
+        if finished:
+            reason = "eos"
+            break
+    steps = sum(steps_per_block)
+    valid = sum(1 for t in out if t != p.pad_token_id)
+    parsed: ParsedAnswer = parse_answer(tokenizer.decode(out))
+    yield DoneEvent(parsed.answer, parsed.thinking, tuple(out), reason, len(ids), prefill_s,
+                    len(ids) / prefill_s if prefill_s > 0 else 0.0, steps, tuple(steps_per_block),
+                    step_seconds / steps if steps else 0.0, valid / steps if steps else 0.0,
+                    time.perf_counter() - t_gen, _peak_memory())
+
+
+def generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | list[dict[str, str]] | list[int],
+             **kwargs: Any) -> str:
+    """The answer text (thought channel removed). Same arguments as :func:`stream_generate`."""
+    done = None
+    for ev in stream_generate(model, tokenizer, prompt, **kwargs):
+        if isinstance(ev, DoneEvent):
+            done = ev
+    assert done is not None
+    return done.text

@@ -1,0 +1,147 @@
+"""The reference sampler, on the device: linear temperature schedule, EntropyBound acceptance
+with renoising, StableAndConfident stopping (``generation_diffusion_gemma.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import mlx.core as mx
+
+from .errors import ParameterError
+
+
+@dataclass(frozen=True)
+class SamplerParams:
+    """Generation parameters (generation_config.json, overridable per call)."""
+
+    max_denoising_steps: int = 48
+    t_min: float = 0.4
+    t_max: float = 0.8
+    entropy_bound: float = 0.1
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    max_new_tokens: int = 256
+    eos_token_id: tuple[int, ...] = (1, 106, 50)
+    pad_token_id: int = 0
+    seed: int | None = None
+    sc_top_k: int | None = None  # sparse self-conditioning (None = exact)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any] | None, **overrides: Any) -> "SamplerParams":
+        names = {f.name for f in fields(cls)}
+        base = {k: v for k, v in (cfg or {}).items() if k in names}
+        unknown = set(overrides) - names
+        if unknown:
+            raise ParameterError(f"unknown generation parameter(s) {sorted(unknown)}; known: {sorted(names)}")
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        if isinstance(base.get("eos_token_id"), int):
+            base["eos_token_id"] = (base["eos_token_id"],)
+        if "eos_token_id" in base:
+            base["eos_token_id"] = tuple(base["eos_token_id"])
+        p = cls(**base)
+        p.validate()
+        return p
+
+    def with_overrides(self, **kw: Any) -> "SamplerParams":
+        p = replace(self, **{k: v for k, v in kw.items() if v is not None})
+        p.validate()
+        return p
+
+    def validate(self) -> None:
+        def bad(name: str, rule: str):
+            raise ParameterError(f"{name} = {getattr(self, name)!r}: must be {rule}")
+
+        if not isinstance(self.max_denoising_steps, int) or not 1 <= self.max_denoising_steps <= 10_000:
+            bad("max_denoising_steps", "an integer in [1, 10000]")
+        if not 0 < self.t_min:
+            bad("t_min", "> 0")
+        if not self.t_max > self.t_min:
+            raise ParameterError(f"t_min = {self.t_min!r}, t_max = {self.t_max!r}: the schedule needs "
+                                 "0 < t_min < t_max (defaults 0.4 and 0.8)")
+        if not self.entropy_bound > 0:
+            bad("entropy_bound", "> 0")
+        if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
+            bad("stability_threshold", "an integer >= 0")
+        if not self.confidence_threshold > 0:
+            bad("confidence_threshold", "> 0")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "an integer >= 1")
+        if self.sc_top_k is not None and (not isinstance(self.sc_top_k, int) or self.sc_top_k < 1):
+            bad("sc_top_k", "an integer >= 1 (or None for exact self-conditioning)")
+
+
+def temperature(steps_left: int, p: SamplerParams) -> float:
+    """Linear schedule; ``steps_left`` counts down N..1, so step 1 of N gets t_max."""
+    return p.t_min + (p.t_max - p.t_min) * (steps_left / p.max_denoising_steps)
+
+
+def token_entropy(logits: mx.array) -> mx.array:
+    """Entropy of softmax(logits) per position (as torch's Categorical(logits=...).entropy())."""
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    p = mx.exp(logp)
+    return -mx.sum(mx.where(p > 0, p * logp, 0.0), axis=-1)
+
+
+def accept_mask(entropy: mx.array, bound: float) -> mx.array:
+    """EntropyBound: accept the lowest-entropy positions while sum - max <= bound."""
+    order = mx.argsort(entropy, axis=-1)
+    sorted_e = mx.take_along_axis(entropy, order, axis=-1)
+    selected = (mx.cumsum(sorted_e, axis=-1) - sorted_e) <= bound
+    inverse = mx.argsort(order, axis=-1)
+    return mx.take_along_axis(selected, inverse, axis=-1)
+
+
+def sample_step(raw_logits: mx.array, temp: float | mx.array, bound: float, vocab_size: int,
+                key: mx.array) -> dict[str, mx.array]:
+    """One step of the sampler on the decoder's logits [B, C, V].
+
+    Returns processed logits (the next self-conditioning input), the argmax canvas, the
+    per-position entropy, the accepted mask and the next canvas: accepted positions take
+    the multinomial draw, the rest fresh uniform tokens.
+    """
+    k_draw, k_noise = mx.random.split(key)
+    processed = raw_logits / temp
+    draw = mx.random.categorical(processed, axis=-1, key=k_draw)
+    argmax = mx.argmax(processed, axis=-1).astype(mx.int32)
+    entropy = token_entropy(processed)
+    accepted = accept_mask(entropy, bound)
+    noise = mx.random.randint(0, vocab_size, draw.shape, key=k_noise)
+    canvas = mx.where(accepted, draw, noise)
+    return {"processed": processed, "argmax": argmax, "entropy": entropy, "accepted": accepted,
+            "canvas": canvas.astype(mx.int32)}
+
+
+class StableAndConfident:
+    """Stop when the argmax canvas repeated ``k`` times and the mean entropy is below a bound.
+
+    The history starts filled with -1, so k + 1 identical argmax canvases are needed in a row
+    (the reference's behaviour).
+    """
+
+    def __init__(self, stability_threshold: int, confidence_threshold: float):
+        self.k = stability_threshold
+        self.threshold = confidence_threshold
+        self.history: mx.array | None = None
+
+    def reset(self) -> None:
+        self.history = None
+
+    def __call__(self, argmax: mx.array, entropy: mx.array) -> mx.array:
+        if self.k == 0:
+            stable = mx.ones((argmax.shape[0],), dtype=mx.bool_)
+        else:
+            if self.history is None:
+                self.history = mx.full((self.k, *argmax.shape), -1, dtype=argmax.dtype)
+            stable = mx.all(self.history == argmax[None], axis=(0, 2))
+            self.history = mx.concatenate([self.history[1:], argmax[None]], axis=0)
+        confident = mx.mean(entropy, axis=-1) < self.threshold
+        return stable & confident
+
+
+def finalize_block(block: list[int], eos_ids: tuple[int, ...], pad_id: int) -> tuple[list[int], bool]:
+    """Pad everything after the first EOS; returns (block, finished)."""
+    for i, t in enumerate(block):
+        if t in eos_ids:
+            return block[: i + 1] + [pad_id] * (len(block) - i - 1), True
+    return block, False
