@@ -14,16 +14,17 @@ from .errors import ParameterError
 # Used when a file carries no template: the Gemma 4 turn format. With thinking off the
 # generation prompt closes an empty thought channel, as the published template does.
 DEFAULT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none -%}"
-    "{%- if enable_thinking or sys is not none -%}"
-    "<|turn>system\n{% if enable_thinking %}<|think|>{% endif %}{{ sys if sys is not none else '' }}<turn|>\n"
-    "{%- endif -%}"
-    "{%- for m in messages if m['role'] != 'system' -%}"
-    "<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] | trim }}<turn|>\n"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|turn>model\n"
-    "{%- if not enable_thinking %}<|channel>thought\n<channel|>{% endif -%}{%- endif -%}"
+    r"{{ bos_token }}"
+    r"{% set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
+    r"{% if enable_thinking or sys is not none %}{{ '<|turn>system\n' }}"
+    r"{% if enable_thinking %}{{ '<|think|>' }}{% endif %}{{ sys if sys is not none else '' }}{{ '<turn|>\n' }}"
+    r"{% endif %}"
+    r"{% for m in messages if m['role'] != 'system' %}"
+    r"{{ '<|turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' + (m['content'] | trim)"
+    r" + '<turn|>\n' }}"
+    r"{% endfor %}"
+    r"{% if add_generation_prompt %}{{ '<|turn>model\n' }}"
+    r"{% if not enable_thinking %}{{ '<|channel>thought\n<channel|>' }}{% endif %}{% endif %}"
 )
 
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
@@ -51,7 +52,8 @@ def _compile(template: str):
 
 def render_chat(messages: list[dict[str, Any]], template: str | None = None, *,
                 add_generation_prompt: bool = True, enable_thinking: bool = False,
-                bos_token: str = "<bos>", eos_token: str = "<eos>", **extra: Any) -> str:
+                bos_token: str = "<bos>", eos_token: str = "<eos>", tools: list[dict] | None = None,
+                documents: list[dict] | None = None, **extra: Any) -> str:
     """Render ``messages`` ([{'role', 'content'}]) into the prompt text."""
     if not messages:
         raise ParameterError("messages: empty; give at least one {'role': 'user', 'content': ...}")
@@ -59,8 +61,8 @@ def render_chat(messages: list[dict[str, Any]], template: str | None = None, *,
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ParameterError(f"messages[{i}]: expected a dict with 'role' and 'content'")
     return _compile(template or DEFAULT_TEMPLATE).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
-        bos_token=bos_token, eos_token=eos_token, **extra)
+        messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+        enable_thinking=enable_thinking, bos_token=bos_token, eos_token=eos_token, **extra)
 
 
 @dataclass(frozen=True)

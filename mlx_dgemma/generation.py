@@ -25,6 +25,13 @@ from .sampler import SamplerParams, StableAndConfident, finalize_block, sample_s
 from .tokenizer import Tokenizer
 
 
+# A follow-up turn in the Gemma 4 turn format (the cache already holds everything before it).
+CONTINUATION_TEMPLATE = (
+    "{% for m in messages %}{{ '<|turn>user\\n' + (m['content'] | trim) + '<turn|>\\n<|turn>model\\n' }}"
+    "{% if not enable_thinking %}{{ '<|channel>thought\\n<channel|>' }}{% endif %}{% endfor %}"
+)
+
+
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
     return a
@@ -153,18 +160,16 @@ class ChatSession:
         self.messages = [m for m in self.messages if m["role"] == "system"]
 
     def _new_prompt_tokens(self, user: str) -> list[int]:
+        """The tokens to prefill for this turn: the whole rendered prompt on the first turn;
+        afterwards only the new turn's markup, since the cache already holds the conversation
+        (committed blocks included, pads after EOS too, as transformers' cache would)."""
         self.messages.append({"role": "user", "content": user})
-        text = render_chat(self.messages, self.tokenizer.chat_template, enable_thinking=self.enable_thinking)
-        ids = self.tokenizer.encode(text)
-        if self.history and ids[: len(self.history)] != self.history:
-            # The template does not reproduce the cached tokens (e.g. it drops thoughts from
-            # earlier turns): continue the cached conversation with just this turn's markup.
-            turn = render_chat([{"role": "user", "content": user}], "{% for m in messages %}"
-                               "\n<|turn>user\n{{ m['content'] | trim }}<turn|>\n<|turn>model\n"
-                               "{% if not enable_thinking %}<|channel>thought\n<channel|>{% endif %}"
-                               "{% endfor %}", enable_thinking=self.enable_thinking)
-            return self.tokenizer.encode(turn)
-        return ids[len(self.history):]
+        if not self.history:
+            text = render_chat(self.messages, self.tokenizer.chat_template, enable_thinking=self.enable_thinking)
+        else:
+            text = "\n" + render_chat([{"role": "user", "content": user}], CONTINUATION_TEMPLATE,
+                                       enable_thinking=self.enable_thinking)
+        return self.tokenizer.encode(text)
 
     def stream(self, user: str, cancel: Callable[[], bool] | None = None, **overrides: Any) -> Iterator[Event]:
         """Answer ``user``; yields events (see :func:`stream_generate`)."""

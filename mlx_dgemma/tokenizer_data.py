@@ -69,6 +69,7 @@ def synthetic_gemma4_vocab(vocab_size: int) -> dict:
         tokens[i] = t
         types[i] = CONTROL
     types[3] = UNKNOWN
+    tokens[90], types[90] = "<custom_marker>", USER_DEFINED  # user-defined: must stay whole
     tokens += [f"<0x{b:02X}>" for b in range(256)]
     types += [BYTE] * 256
     room = vocab_size - len(tokens)

@@ -1,0 +1,175 @@
+"""Generation end to end on the tiny model: CLI, streaming events, EOS, sessions, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_dgemma import ChatSession, generate, load, stream_generate
+from mlx_dgemma.cli import main
+from mlx_dgemma.errors import ModelFilesError, ParameterError
+from mlx_dgemma.generation import BlockEvent, DoneEvent, PrefillEvent, StepEvent, _run
+from mlx_dgemma.sampler import SamplerParams
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return load(tiny_model_dir)
+
+
+def cli_json(capsys, *args):
+    assert main(["generate", *map(str, args), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_generates_reproducibly(tiny_model_dir, capsys):
+    args = ("--model", tiny_model_dir, "--prompt", "Why is the sky blue?", "--seed", "3", "--steps", "6",
+            "--max-tokens", "40")
+    a = cli_json(capsys, *args)
+    b = cli_json(capsys, *args)
+    assert a["tokens"] == b["tokens"] and a["text"] == b["text"]
+    assert len(a["tokens"]) in (32, 64)  # whole canvases: ceil(40 / 32) = 2 blocks unless EOS
+    assert all(1 <= s <= 6 for s in a["steps_per_block"])
+    assert a["finish_reason"] in ("eos", "length")
+    c = cli_json(capsys, *args[:-4], "--seed", "4", "--steps", "6", "--max-tokens", "40")
+    assert c["tokens"] != a["tokens"]
+
+
+def test_cli_streams_text_and_summary(tiny_model_dir, capsys):
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "Hi", "--seed", "1", "--steps", "4",
+                 "--max-tokens", "32", "--show-drafts"]) == 0
+    out = capsys.readouterr()
+    assert "[block 1 step  1]" in out.err and "[done]" in out.err and "s/step" in out.err
+
+
+def test_stream_events(loaded):
+    model, tok = loaded
+    events = list(stream_generate(model, tok, "Hello", generation_config=model.generation_config, seed=0,
+                                  max_denoising_steps=5, max_new_tokens=64))
+    assert isinstance(events[0], PrefillEvent) and isinstance(events[-1], DoneEvent)
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    blocks = [e for e in events if isinstance(e, BlockEvent)]
+    done = events[-1]
+    assert steps and blocks and len(blocks) <= 2
+    C = model.args.canvas_length
+    for e in steps:
+        assert e.canvas.shape == e.draft.shape == e.accepted.shape == e.entropy.shape == (C,)
+        assert not e.entropy.flags.writeable
+        assert e.mean_entropy == pytest.approx(float(e.entropy.mean()), rel=1e-5)
+        assert 0.4 < e.temperature <= 0.8 and e.seconds > 0
+        with pytest.raises(AttributeError):
+            e.step = 3  # frozen
+    assert done.steps == len(steps) == sum(done.steps_per_block)
+    valid = sum(1 for t in done.tokens if t != 0)
+    assert done.tokens_per_forward == pytest.approx(valid / done.steps)
+    assert done.prefill_tokens_per_second > 0 and done.seconds_per_step > 0
+    assert blocks[-1].tokens == tuple(done.tokens[-C:])
+    assert generate(model, tok, "Hello", generation_config=model.generation_config, seed=0,
+                    max_denoising_steps=5, max_new_tokens=64) == done.text
+
+
+class EosModel:
+    """A fake decoder that puts <turn|> at position 5 with full confidence."""
+
+    def __init__(self, C=16, V=200):
+        self.args = SimpleNamespace(canvas_length=C, vocab_size=V, max_position_embeddings=10_000)
+        self.prefills = []
+
+    def make_cache(self):
+        return SimpleNamespace(offset=0)
+
+    def prefill(self, ids, cache, dtype=None):
+        self.prefills.append(ids.shape[1])
+
+    def denoise(self, canvas, cache, sc, dtype=None, sc_top_k=None):
+        C, V = self.args.canvas_length, self.args.vocab_size
+        x = np.full((1, C, V), -30.0, np.float32)
+        target = np.arange(C) + 110
+        target[5] = 106
+        x[0, np.arange(C), target] = 30.0
+        return mx.array(x)
+
+
+def test_eos_stops_and_pads(loaded):
+    _, tok = loaded
+    model = EosModel()
+    p = SamplerParams(max_new_tokens=48, max_denoising_steps=8)
+    events = list(_run(model, tok, model.make_cache(), [2, 5, 6], p, mx.float32, None, 0))
+    done = events[-1]
+    assert done.finish_reason == "eos"
+    assert len(done.tokens) == 16  # one block, not three
+    assert done.tokens[5] == 106 and all(t == 0 for t in done.tokens[6:])
+    assert model.prefills == [3]  # the prompt only: nothing committed after the final block
+    assert done.steps == 2  # stability threshold 1: two identical confident argmax canvases
+
+
+def test_cancel(loaded):
+    model, tok = loaded
+    n = {"steps": 0}
+
+    def cancel():
+        n["steps"] += 1
+        return n["steps"] >= 2
+
+    done = list(stream_generate(model, tok, "Hi", generation_config=model.generation_config, seed=0,
+                                max_denoising_steps=10, cancel=cancel))[-1]
+    assert done.finish_reason == "cancelled" and done.steps == 0 and done.tokens == ()
+
+
+def test_session_prefills_only_new_tokens(loaded):
+    model, tok = loaded
+    session = ChatSession(model, tok, model.generation_config)
+    first = list(session.stream("Why is the sky blue?", seed=0, max_denoising_steps=4, max_new_tokens=32))
+    n1 = first[0].tokens
+    answer = len(first[-1].tokens)
+    assert session.cache.offset == n1 + answer == len(session.history)
+    second = list(session.stream("And the sunset?", seed=1, max_denoising_steps=4, max_new_tokens=32))
+    n2 = second[0].tokens
+    turn = "\n<|turn>user\nAnd the sunset?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+    assert n2 == len(tok.encode(turn))  # only the new turn was encoded, not the conversation
+    assert session.history[n1 + answer:] == tok.encode(turn) + list(second[-1].tokens)
+    assert session.cache.offset == n1 + answer + n2 + len(second[-1].tokens)
+    session.reset()
+    assert session.cache.offset == 0 and session.history == []
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"t_min": -1.0}, "t_min"),
+    ({"t_max": 0.3}, "t_max"),
+    ({"entropy_bound": 0.0}, "entropy_bound"),
+    ({"max_denoising_steps": 0}, "max_denoising_steps"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"stability_threshold": -1}, "stability_threshold"),
+    ({"temperature": 1.0}, "unknown generation parameter"),
+])
+def test_invalid_parameters(loaded, kwargs, match):
+    model, tok = loaded
+    with pytest.raises(ParameterError, match=match):
+        list(stream_generate(model, tok, "Hi", **kwargs))
+
+
+def test_prompt_errors(loaded):
+    model, tok = loaded
+    with pytest.raises(ParameterError, match="prompt: empty"):
+        list(stream_generate(model, tok, "   "))
+    long_prompt = list(range(5, 200)) * 25  # 4875 tokens > the tiny model's 4096 context
+    with pytest.raises(ParameterError, match="exceed the context of 4096"):
+        list(stream_generate(model, tok, long_prompt))
+
+
+def test_cli_errors_are_one_line(tiny_model_dir, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "tokenizer_gguf.json").unlink()
+    assert main(["generate", "--model", str(broken), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizer_gguf.json is missing" in err[0] and str(broken) in err[0]
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--steps", "0"]) == 2
+    assert "max_denoising_steps = 0" in capsys.readouterr().err
+    with pytest.raises(ModelFilesError):
+        load(tmp_path / "nothing-here")
