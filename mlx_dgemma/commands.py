@@ -58,11 +58,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     gen_cfg = getattr(model, "generation_config", None)
     printed = 0
     done: DoneEvent | None = None
+    trace = None
+    if args.trace:
+        from .trace import Trace
+
+        trace = Trace()
     for ev in stream_generate(model, tokenizer, args.prompt, generation_config=gen_cfg,
                               enable_thinking=args.think, chat=not args.raw, **overrides):
         if isinstance(ev, PrefillEvent) and not args.json:
             print(f"[prefill] {ev.tokens} tokens in {ev.seconds:.2f} s", file=sys.stderr)
-        elif isinstance(ev, StepEvent) and args.show_drafts and not args.json:
+        if isinstance(ev, StepEvent) and trace is not None:
+            trace.add(ev)
+        if isinstance(ev, StepEvent) and args.show_drafts and not args.json:
             draft = tokenizer.decode(ev.draft.tolist()).replace("\n", " ")
             print(f"[block {ev.block + 1} step {ev.step:>2}] T={ev.temperature:.3f} "
                   f"accepted {int(ev.accepted.sum()):>3}/{ev.accepted.size} H={ev.mean_entropy:.3f} | {draft[:100]}",
@@ -74,6 +81,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         elif isinstance(ev, DoneEvent):
             done = ev
     assert done is not None
+    if trace is not None:
+        trace.export_jsonl(args.trace, tokenizer.decode)
     summary = {"finish_reason": done.finish_reason, "prompt_tokens": done.prompt_tokens,
                "prefill_tokens_per_second": round(done.prefill_tokens_per_second, 2),
                "steps": done.steps, "steps_per_block": list(done.steps_per_block),
@@ -113,6 +122,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--think", action="store_true", help="enable the thought channel")
     g.add_argument("--show-drafts", action="store_true", help="print each step's draft to stderr")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--trace", metavar="FILE", help="write every denoising step as JSON lines to FILE")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     add_sampler_args(g)
     g.set_defaults(func=_cmd_generate)

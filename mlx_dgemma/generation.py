@@ -136,10 +136,20 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
 
 
 def _peak_memory() -> int:
+    """MLX's peak allocation; the process's peak RSS where MLX tracks none (CPU backend)."""
     try:
-        return int(mx.get_peak_memory())
+        peak = int(mx.get_peak_memory())
     except AttributeError:  # pragma: no cover - older MLX
-        return 0
+        peak = 0
+    return peak or peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    import resource
+    import sys
+
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
 
 
 class ChatSession:
@@ -237,6 +247,7 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
     out: list[int] = []
     steps_per_block: list[int] = []
     step_seconds = 0.0
+    steps = 0  # every decoder pass, a cancelled block's included
     reason = "length"
     t_gen = time.perf_counter()
     for b in range(n_blocks):
@@ -247,6 +258,7 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
                 result = ev
                 break
             step_seconds += ev.seconds
+            steps += 1
             yield ev
             if cancel is not None and cancel():
                 reason = "cancelled"
@@ -266,7 +278,6 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
         if finished:
             reason = "eos"
             break
-    steps = sum(steps_per_block)
     valid = sum(1 for t in out if t != p.pad_token_id)
     parsed: ParsedAnswer = parse_answer(tokenizer.decode(out))
     yield DoneEvent(parsed.answer, parsed.thinking, tuple(out), reason, len(ids), prefill_s,

@@ -118,7 +118,7 @@ def test_cancel(loaded):
 
     done = list(stream_generate(model, tok, "Hi", generation_config=model.generation_config, seed=0,
                                 max_denoising_steps=10, cancel=cancel))[-1]
-    assert done.finish_reason == "cancelled" and done.steps == 0 and done.tokens == ()
+    assert done.finish_reason == "cancelled" and done.steps == 2 and done.tokens == ()
 
 
 def test_session_prefills_only_new_tokens(loaded):

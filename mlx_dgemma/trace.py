@@ -1,0 +1,57 @@
+"""The denoising trace of an answer: every StepEvent, grouped by block, exportable as JSON
+lines (one record per step). Used by the TUI's replay/export and ``generate --trace``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .generation import StepEvent
+
+
+@dataclass
+class Trace:
+    blocks: list[list[StepEvent]] = field(default_factory=list)
+
+    def add(self, ev: StepEvent) -> None:
+        while len(self.blocks) <= ev.block:
+            self.blocks.append([])
+        self.blocks[ev.block].append(ev)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+    @property
+    def steps(self) -> list[tuple[int, int]]:
+        """(block, index) of every recorded step, in order."""
+        return [(b, i) for b, steps in enumerate(self.blocks) for i in range(len(steps))]
+
+    def get(self, block: int, index: int) -> StepEvent:
+        return self.blocks[block][index]
+
+    def records(self, decode: Callable[[list[int]], str] | None = None) -> list[dict]:
+        out = []
+        for steps in self.blocks:
+            for ev in steps:
+                rec = {"block": ev.block, "step": ev.step, "max_steps": ev.max_steps,
+                       "temperature": ev.temperature, "mean_entropy": ev.mean_entropy,
+                       "accepted_count": int(ev.accepted.sum()), "seconds": ev.seconds, "stopped": ev.stopped,
+                       "canvas": ev.canvas.tolist(), "draft": ev.draft.tolist(),
+                       "accepted": ev.accepted.astype(int).tolist(),
+                       "entropy": [round(float(x), 6) for x in ev.entropy]}
+                if decode is not None:
+                    rec["draft_text"] = decode(ev.draft.tolist())
+                out.append(rec)
+        return out
+
+    def export_jsonl(self, path: str | Path, decode: Callable[[list[int]], str] | None = None) -> Path:
+        """Write one JSON object per step; written to a temporary file and renamed."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".partial")
+        with open(tmp, "w") as f:
+            for rec in self.records(decode):
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        tmp.replace(path)
+        return path

@@ -1,0 +1,75 @@
+"""``mlx-dgemma chat``: the Textual app."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from textual import work
+from textual.app import App
+
+from .engine import Engine, Job, ModelBackend
+
+
+class DGemmaApp(App):
+    CSS_PATH = "dgemma.tcss"
+    TITLE = "mlx-dgemma"
+    BINDINGS = [("ctrl+q", "quit", "Quit")]
+
+    def __init__(self, backend: Any | None = None, trace_dir: str | Path = ".", **kw):
+        super().__init__(**kw)
+        self.backend = backend
+        self.engine: Engine | None = None
+        self.trace_dir = Path(trace_dir)
+        self.last_export: Path | None = None
+
+    def on_mount(self) -> None:
+        if self.backend is None:
+            from .screens.welcome import WelcomeScreen
+
+            self.push_screen(WelcomeScreen())
+        else:
+            self._start()
+
+    def start_demo(self) -> None:
+        self.backend = ModelBackend(demo=True)
+        self.pop_screen()
+        self._start()
+
+    def _start(self) -> None:
+        from .screens.chat import ChatScreen
+
+        self.engine = Engine(self.backend, self.post_to_screen)
+        self.push_screen(ChatScreen())
+        self._engine_worker()
+        self.engine.submit(Job("load"))
+
+    def post_to_screen(self, message) -> None:
+        """Thread-safe: route an engine message to the active screen."""
+        self.call_from_thread(lambda: self.screen.post_message(message))
+
+    @work(thread=True, exclusive=True, group="engine")
+    def _engine_worker(self) -> None:
+        """The one thread that runs MLX for the whole session (see engine.py)."""
+        self.engine.run()
+
+    def on_unmount(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+
+def configured_model() -> str | None:
+    return os.environ.get("MLX_DGEMMA_MODEL") or None
+
+
+def run_app(model: str | None = None, demo: bool = False, dtype: str = "float32") -> int:
+    model = model or (None if demo else configured_model())
+    backend = ModelBackend(model=model, demo=demo, dtype=dtype) if (model or demo) else None
+    if model and not Path(model).exists():
+        from ..errors import ModelFilesError
+
+        raise ModelFilesError(f"{model}: no such file or directory; give a .gguf file or a directory written "
+                              "by `mlx-dgemma convert`")
+    DGemmaApp(backend).run()
+    return 0

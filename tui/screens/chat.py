@@ -1,0 +1,228 @@
+"""The main screen: conversation on the left, the denoising canvas and its chart on the right."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Input, Static
+
+from mlx_dgemma.generation import BlockEvent, DoneEvent, PrefillEvent, StepEvent
+from mlx_dgemma.trace import Trace
+
+from ..engine import Job
+from ..messages import EngineError, EngineEvent, EngineStatus
+from ..widgets.canvas import CanvasView
+from ..widgets.chat_log import Answer, ChatLog
+from ..widgets.entropy import EntropyChart
+from ..widgets.status import StatusLine
+
+REFRESH_HZ = 15  # the canvas redraws at most this often, however fast steps arrive
+
+
+class ChatScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel"),
+        Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("ctrl+o", "settings", "Settings"),
+        Binding("ctrl+b", "replay(-1)", "Step back"),
+        Binding("ctrl+f", "replay(1)", "Step fwd"),
+        Binding("ctrl+t", "export", "Export trace"),
+    ]
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.trace = Trace()
+        self.cursor: tuple[int, int] | None = None  # replay position; None = live
+        self.busy = False
+        self.answer: Answer | None = None
+        self.answer_id = 0
+        self.params: dict = {}
+        self._pending: StepEvent | None = None
+        self._prefill_tps: float | None = None
+        self._step_seconds: list[float] = []
+        self._blocks_planned = 1
+        self._last_done: DoneEvent | None = None
+
+    def compose(self) -> ComposeResult:
+        backend = self.app.backend
+        with Horizontal(id="main"):
+            with Vertical(id="chat-pane"):
+                if backend.is_demo:
+                    yield Static("DEMO MODEL: random weights. The text is noise; the denoising is real.",
+                                 id="demo-banner")
+                yield ChatLog(id="chat-log")
+                yield Input(placeholder="Message (Enter to send)", id="prompt")
+            with Vertical(id="diffusion-pane"):
+                yield Static("canvas", id="canvas-title")
+                yield CanvasView(piece=getattr(backend, "piece", str), id="canvas")
+                yield EntropyChart(id="chart")
+        yield StatusLine("starting…", id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.set_interval(1 / REFRESH_HZ, self._flush)
+        self.query_one(Input).focus()
+
+    # engine -> UI ---------------------------------------------------------------------------
+
+    @on(EngineStatus)
+    def _on_status(self, m: EngineStatus) -> None:
+        status = self.query_one(StatusLine)
+        if m.state == "loading":
+            status.update(f"loading: {m.detail}")
+        elif m.state == "ready":
+            self.busy = False
+            if m.detail:
+                status.update(f"ready: {m.detail}")
+        elif m.state == "busy":
+            self.busy = True
+
+    @on(EngineError)
+    def _on_error(self, m: EngineError) -> None:
+        self.busy = False
+        self.query_one(ChatLog).add_notice(f"error: {m.message}", error=True)
+        self.query_one(StatusLine).update(f"error: {m.message}")
+
+    @on(EngineEvent)
+    def _on_event(self, m: EngineEvent) -> None:
+        if m.answer_id != self.answer_id:
+            return  # a late event of an answer the user has left
+        ev = m.event
+        if isinstance(ev, PrefillEvent):
+            self._prefill_tps = ev.tokens / ev.seconds if ev.seconds > 0 else None
+        elif isinstance(ev, StepEvent):
+            self.trace.add(ev)
+            self._step_seconds.append(ev.seconds)
+            self._pending = ev  # drawn by the timer: steps are coalesced, not each redrawn
+        elif isinstance(ev, BlockEvent) and self.answer is not None:
+            self.answer.set_text(ev.text, ev.thinking)
+        elif isinstance(ev, DoneEvent):
+            self._last_done = ev
+            if self.answer is not None:
+                note = "" if ev.finish_reason == "eos" else f"({ev.finish_reason})"
+                self.answer.set_text(ev.text, ev.thinking, note)
+            self._flush()
+            self._show_summary(ev)
+
+    def _flush(self) -> None:
+        ev, self._pending = self._pending, None
+        if ev is None or self.cursor is not None:
+            return
+        self._draw(ev.block, len(self.trace.blocks[ev.block]) - 1)
+
+    def _draw(self, block: int, index: int) -> None:
+        steps = self.trace.blocks[block]
+        ev = steps[index]
+        earlier = None
+        if index > 0:
+            import numpy as np
+
+            earlier = np.any([s.accepted for s in steps[:index]], axis=0)
+        live = "" if self.cursor is None else "  [replay]"
+        self.query_one("#canvas-title", Static).update(
+            f"canvas: block {block + 1}, step {ev.step}/{ev.max_steps}{live}   "
+            "[bold bright_green]accepted now[/] [cyan]accepted before[/] [grey58 italic]draft[/] "
+            "background: entropy")
+        self.query_one(CanvasView).show(ev, earlier)
+        self.query_one(EntropyChart).set_block(steps, ev.canvas.size, index)
+        spf = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0
+        done = self._last_done
+        self.query_one(StatusLine).show_step(
+            ev, max(self._blocks_planned, len(self.trace.blocks)), spf,
+            done.tokens_per_forward if done else None, self._prefill_tps, self.app.backend.memory_bytes(),
+            "replay: ctrl+b/ctrl+f" if self.cursor is not None else "")
+
+    def _show_summary(self, done: DoneEvent) -> None:
+        self.query_one(StatusLine).update(
+            f"{done.finish_reason}: {len(done.steps_per_block)} block(s), {done.steps} steps, "
+            f"{done.seconds_per_step:.2f} s/step, {done.tokens_per_forward:.2f} tok/fwd, "
+            f"prefill {done.prefill_tokens_per_second:.0f} tok/s, peak {done.peak_memory_bytes / 1e9:.2f} GB  "
+            "(ctrl+b/ctrl+f replay, ctrl+t export)")
+
+    # user actions ---------------------------------------------------------------------------
+
+    @on(Input.Submitted, "#prompt")
+    def _send(self, m: Input.Submitted) -> None:
+        text = m.value.strip()
+        if not text:
+            return
+        if self.busy:
+            self.app.notify("Still answering; press Escape to cancel first.", severity="warning")
+            return
+        m.input.value = ""
+        self.answer_id += 1
+        self.trace = Trace()
+        self.cursor = None
+        self._step_seconds.clear()
+        self._last_done = None
+        self._prefill_tps = None
+        log = self.query_one(ChatLog)
+        log.add_user(text)
+        self.answer = log.add_answer(self.answer_id)
+        self.query_one(CanvasView).clear()
+        canvas = getattr(self.app.backend, "canvas_length", 0) or 256
+        max_new = int(self.params.get("max_new_tokens") or self.app.backend.generation_config.get(
+            "max_new_tokens", 256))
+        self._blocks_planned = -(-max_new // canvas)
+        self.busy = True
+        self.app.engine.submit(Job("generate", text, dict(self.params), self.answer_id))
+
+    def action_cancel(self) -> None:
+        if self.busy:
+            self.app.engine.cancel()
+            self.app.notify("Cancelling at the next step…")
+
+    def action_new_chat(self) -> None:
+        if self.busy:
+            self.app.engine.cancel()
+        self.answer_id += 1
+        self.app.engine.submit(Job("reset"))
+        self.trace = Trace()
+        self.cursor = None
+        self.answer = None
+        self.query_one(ChatLog).remove_children()
+        self.query_one(CanvasView).clear()
+        self.query_one(EntropyChart).set_block([], 0)
+        self.query_one(StatusLine).update("new chat")
+
+    def action_settings(self) -> None:
+        from .settings import SettingsScreen
+
+        def done(result: dict | None) -> None:
+            if result is not None:
+                self.params = result
+                self.app.notify("Sampler settings updated.")
+
+        defaults = dict(self.app.backend.generation_config)
+        defaults.update(self.params)
+        self.app.push_screen(SettingsScreen(defaults), done)
+
+    def action_replay(self, delta: int) -> None:
+        steps = self.trace.steps
+        if not steps or self.busy:
+            if self.busy:
+                self.app.notify("Replay is available once the answer is done.", severity="warning")
+            return
+        pos = steps.index(self.cursor) if self.cursor in steps else len(steps) - 1
+        pos = max(0, min(len(steps) - 1, pos + delta))
+        self.cursor = steps[pos]
+        self._draw(*self.cursor)
+
+    def action_export(self) -> None:
+        if not self.trace.blocks:
+            self.app.notify("Nothing to export yet.", severity="warning")
+            return
+        out = Path(self.app.trace_dir) / f"mlx-dgemma-trace-{time.strftime('%Y%m%d-%H%M%S')}-{self.answer_id}.jsonl"
+        try:
+            path = self.trace.export_jsonl(out, getattr(self.app.backend, "decode", None))
+        except OSError as e:
+            self.app.notify(f"Export failed: {e}", severity="error")
+            return
+        self.app.last_export = path
+        self.app.notify(f"Trace written to {path.resolve()}")

@@ -1,0 +1,47 @@
+"""First run: no model given and none configured."""
+
+from __future__ import annotations
+
+from textual import on
+from textual.app import ComposeResult
+from textual.containers import Center, Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Button, Markdown
+
+WELCOME = """\
+# mlx-dgemma
+
+No model yet. DiffusionGemma is published as a GGUF file
+(`diffusiongemma-26B-A4B-it-Q4_K_M.gguf`, 16.8 GB). Convert it once, losslessly:
+
+```
+mlx-dgemma convert diffusiongemma-26B-A4B-it-Q4_K_M.gguf ~/models/dgemma
+mlx-dgemma chat --model ~/models/dgemma
+```
+
+(`mlx-dgemma chat --model FILE.gguf` also works; it converts in memory at every start.)
+Set `MLX_DGEMMA_MODEL=~/models/dgemma` to make it the default.
+
+Or look at the machinery right now with a small **built-in model with random weights**:
+its text is noise, but the canvas denoises exactly as the real model's does.
+"""
+
+
+class WelcomeScreen(Screen):
+    BINDINGS = [("d", "demo", "Demo"), ("q", "app.quit", "Quit")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="welcome"):
+            yield Markdown(WELCOME)
+            with Center():
+                with Horizontal(id="welcome-buttons"):
+                    yield Button("Try the demo model (d)", variant="primary", id="demo")
+                    yield Button("Quit (q)", id="quit")
+
+    @on(Button.Pressed, "#demo")
+    def action_demo(self) -> None:
+        self.app.start_demo()
+
+    @on(Button.Pressed, "#quit")
+    def _quit(self) -> None:
+        self.app.exit()

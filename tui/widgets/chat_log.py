@@ -1,0 +1,42 @@
+"""The conversation: user turns, answers as Markdown, the thought channel collapsed."""
+
+from __future__ import annotations
+
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Collapsible, Markdown, Static
+
+
+class Answer(Vertical):
+    def __init__(self, answer_id: int, **kw):
+        super().__init__(classes="answer", **kw)
+        self.answer_id = answer_id
+        self._thought = Static("", classes="thought-text")
+        self._collapsible = Collapsible(self._thought, title="thought", collapsed=True)
+        self._collapsible.display = False
+        self._md = Markdown("…")
+
+    def compose(self):
+        yield self._collapsible
+        yield self._md
+
+    def set_text(self, answer: str, thinking: str = "", note: str = "") -> None:
+        if thinking:
+            self._collapsible.display = True
+            self._thought.update(thinking)
+        self._md.update((answer or "…") + (f"\n\n*{note}*" if note else ""))
+
+
+class ChatLog(VerticalScroll):
+    def add_user(self, text: str) -> None:
+        self.mount(Static(text, classes="user"))
+        self.scroll_end(animate=False)
+
+    def add_answer(self, answer_id: int) -> Answer:
+        a = Answer(answer_id)
+        self.mount(a)
+        self.scroll_end(animate=False)
+        return a
+
+    def add_notice(self, text: str, error: bool = False) -> None:
+        self.mount(Static(text, classes="error" if error else "notice"))
+        self.scroll_end(animate=False)

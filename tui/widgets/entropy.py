@@ -1,0 +1,53 @@
+"""Per-step chart of the current block: mean entropy and accepted positions per step."""
+
+from __future__ import annotations
+
+import math
+
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widget import Widget
+
+BARS = "▁▂▃▄▅▆▇█"
+
+
+def spark(values: list[float], top: float) -> str:
+    if not values:
+        return ""
+    top = top or 1.0
+    return "".join(BARS[min(len(BARS) - 1, int(len(BARS) * v / top))] if v > 0 else " " for v in values)
+
+
+class EntropyChart(Widget):
+    version = reactive(0, layout=False)
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.entropy: list[float] = []
+        self.accepted: list[int] = []
+        self.canvas = 0
+        self.cursor: int | None = None
+
+    def set_block(self, steps, canvas: int, cursor: int | None = None) -> None:
+        self.entropy = [s.mean_entropy for s in steps]
+        self.accepted = [int(s.accepted.sum()) for s in steps]
+        self.canvas = canvas
+        self.cursor = cursor
+        self.version += 1
+
+    def render(self) -> Text:
+        t = Text()
+        if not self.entropy:
+            t.append("mean entropy and accepted positions per step of the current block", style="dim italic")
+            return t
+        logs = [math.log1p(e) for e in self.entropy]
+        width = max(8, (self.size.width or 60) - 18)
+        tail = slice(max(0, len(logs) - width), None)
+        t.append("mean entropy  ", style="bold")
+        t.append(spark(logs[tail], max(logs) or 1.0) + "\n", style="yellow")
+        t.append("accepted      ", style="bold")
+        t.append(spark([float(a) for a in self.accepted[tail]], float(self.canvas or 1)) + "\n", style="green")
+        k = self.cursor if self.cursor is not None else len(self.entropy) - 1
+        t.append(f"step {k + 1}/{len(self.entropy)}: H={self.entropy[k]:.4f}  "
+                 f"accepted {self.accepted[k]}/{self.canvas}", style="dim")
+        return t
