@@ -40,14 +40,12 @@ class DGemmaApp(App):
     def _start(self) -> None:
         from .screens.chat import ChatScreen
 
-        self.engine = Engine(self.backend, self.post_to_screen)
-        self.push_screen(ChatScreen())
+        self.chat_screen = ChatScreen()
+        # post_message is thread-safe and does not block the engine on the UI
+        self.engine = Engine(self.backend, self.chat_screen.post_message)
+        self.push_screen(self.chat_screen)
         self._engine_worker()
         self.engine.submit(Job("load"))
-
-    def post_to_screen(self, message) -> None:
-        """Thread-safe: route an engine message to the active screen."""
-        self.call_from_thread(lambda: self.screen.post_message(message))
 
     @work(thread=True, exclusive=True, group="engine")
     def _engine_worker(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -124,11 +125,11 @@ class ChatScreen(Screen):
             import numpy as np
 
             earlier = np.any([s.accepted for s in steps[:index]], axis=0)
-        live = "" if self.cursor is None else "  [replay]"
-        self.query_one("#canvas-title", Static).update(
-            f"canvas: block {block + 1}, step {ev.step}/{ev.max_steps}{live}   "
-            "[bold bright_green]accepted now[/] [cyan]accepted before[/] [grey58 italic]draft[/] "
-            "background: entropy")
+        live = "" if self.cursor is None else "  (replay)"
+        self.query_one("#canvas-title", Static).update(Text.assemble(
+            f"canvas: block {block + 1}, step {ev.step}/{ev.max_steps}{live}   ",
+            ("accepted now", "bold bright_green"), " ", ("accepted before", "cyan"), " ",
+            ("draft", "grey58 italic"), " ", ("bg = entropy", "on rgb(140,70,45)")))
         self.query_one(CanvasView).show(ev, earlier)
         self.query_one(EntropyChart).set_block(steps, ev.canvas.size, index)
         spf = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Collapsible, Markdown, Static
 
@@ -14,6 +16,8 @@ class Answer(Vertical):
         self._collapsible = Collapsible(self._thought, title="thought", collapsed=True)
         self._collapsible.display = False
         self._md = Markdown("…")
+        self.target = "…"  # the text the answer should show
+        self.rendered = "…"  # the text the Markdown widget has finished rendering
 
     def compose(self):
         yield self._collapsible
@@ -23,7 +27,14 @@ class Answer(Vertical):
         if thinking:
             self._collapsible.display = True
             self._thought.update(thinking)
-        self._md.update((answer or "…") + (f"\n\n*{note}*" if note else ""))
+        self.target = (answer or "…") + (f"\n\n*{note}*" if note else "")
+        # Markdown renders asynchronously: an exclusive worker cancels a stale render, so a
+        # late update of an earlier block can never overwrite the final answer.
+        self.run_worker(partial(self._render_markdown, self.target), exclusive=True, group="markdown")
+
+    async def _render_markdown(self, text: str) -> None:
+        await self._md.update(text)
+        self.rendered = text
 
 
 class ChatLog(VerticalScroll):

@@ -1,0 +1,74 @@
+"""A scripted backend for the TUI: deterministic events, no MLX."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mlx_dgemma.generation import BlockEvent, DoneEvent, PrefillEvent, StepEvent
+
+WORDS = ["The", " sky", " is", " blue", " because", " air", " scatters", " short", " waves", ".",
+         " Light", " from", " the", " sun", " bends", "!"]
+
+
+class ScriptedBackend:
+    label = "scripted test model"
+    is_demo = False
+    canvas_length = 16
+    generation_config = {"max_denoising_steps": 48, "t_min": 0.4, "t_max": 0.8, "entropy_bound": 0.1,
+                         "stability_threshold": 1, "confidence_threshold": 0.005, "max_new_tokens": 32}
+
+    def __init__(self, steps: int = 6, blocks: int = 2, delay: float = 0.0):
+        self.steps, self.blocks, self.delay = steps, blocks, delay
+        self.loaded = self.resets = 0
+        self.prompts: list[tuple[str, dict]] = []
+        self.produced = 0  # steps yielded so far (engine thread)
+
+    def load(self, progress):
+        progress("scripted")
+        self.loaded += 1
+
+    def reset(self):
+        self.resets += 1
+
+    def piece(self, t: int) -> str:
+        return WORDS[t % len(WORDS)]
+
+    def decode(self, ids):
+        return "".join(self.piece(t) for t in ids)
+
+    def memory_bytes(self) -> int:
+        return 123_000_000
+
+    def stream(self, prompt, cancel, **params):
+        self.prompts.append((prompt, params))
+        C, N = self.canvas_length, self.steps
+        yield PrefillEvent(20, 0.5)
+        out, done_steps = [], 0
+        for b in range(self.blocks):
+            target = (np.arange(C) + b * C) % len(WORDS)
+            for s in range(1, N + 1):
+                if self.delay:
+                    time.sleep(self.delay)
+                k = min(C, round(C * s / N))
+                accepted = np.zeros(C, bool)
+                accepted[:k] = True
+                entropy = np.linspace(3.0, 0.01, C).astype(np.float32) / s
+                draft = target.astype(np.int32)
+                canvas = np.where(accepted, target, (target + 3) % len(WORDS)).astype(np.int32)
+                for a in (accepted, entropy, draft, canvas):
+                    a.setflags(write=False)
+                done_steps += 1
+                self.produced += 1
+                yield StepEvent(b, s, 48, canvas, draft, accepted, entropy, float(entropy.mean()),
+                                0.4 + 0.4 * (48 - s + 1) / 48, 0.25, s == N)
+                if cancel():
+                    yield DoneEvent(self.decode(out), "", tuple(out), "cancelled", 20, 0.5, 40.0, done_steps,
+                                    tuple(), 0.25, 0.0, 1.0, 1)
+                    return
+            out += target.tolist()
+            text = self.decode(out)
+            yield BlockEvent(b, tuple(target.tolist()), N, b == self.blocks - 1, text, "Thinking about light.", text)
+        yield DoneEvent(self.decode(out), "Thinking about light.", tuple(out), "eos", 20, 0.5, 40.0,
+                        done_steps, (N,) * self.blocks, 0.25, len(out) / done_steps, 3.0, 200_000_000)
