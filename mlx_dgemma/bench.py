@@ -1,13 +1,505 @@
-"""``mlx-dgemma bench`` (filled in by the benchmark work)."""
+"""``mlx-dgemma bench``: seconds per denoising step, prefill tokens/s and peak memory on random
+weights, with peers measured in the same run on the same weights:
+
+* mlx-vlm's DiffusionGemma (``mlx_vlm.models.diffusion_gemma``), dense with the GGUF's
+  dequantized weights, and re-quantized by its own stock recipe (4-bit, group 64);
+* the Hugging Face reference in torch eager mode (context only: torch's CPU GEMM is far
+  faster than MLX's CPU backend, so that ratio does not carry over to Apple silicon).
+
+Also: our FLOP/s against MLX's own dense matmul throughput, a per-part breakdown of a step,
+the MoE alternatives, sparse self-conditioning and the exact vs compact formats. Prints a
+table and writes JSON.
+"""
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=256, intermediate_size=256, num_layers=3, global_layers=(2,), num_heads=2,
+                 num_kv_heads=1, num_global_kv_heads=1, head_dim=64, global_head_dim=128, sliding_window=64,
+                 num_experts=8, top_k=2, moe_intermediate_size=64, vocab_size=512, canvas_length=256),
+    "medium": dict(hidden_size=512, intermediate_size=768, num_layers=6, global_layers=(5,), num_heads=8,
+                   num_kv_heads=4, num_global_kv_heads=4, head_dim=64, global_head_dim=128,
+                   sliding_window=512, num_experts=32, top_k=4, moe_intermediate_size=256, vocab_size=8192,
+                   canvas_length=256),
+    # The published model's layer shapes, one sliding and one global layer.
+    "real-shapes": dict(hidden_size=2816, intermediate_size=2112, num_layers=2, global_layers=(1,), num_heads=16,
+                        num_kv_heads=8, num_global_kv_heads=2, head_dim=256, global_head_dim=512,
+                        sliding_window=1024, num_experts=128, top_k=8, moe_intermediate_size=704,
+                        vocab_size=262144, canvas_length=256),
+}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="tiny")
+    p.add_argument("--configs", default="tiny,medium", help="comma-separated: tiny, medium, real-shapes")
+    p.add_argument("--canvas", type=int, help="override the canvas length (e.g. 32 for real-shapes on a CPU)")
+    p.add_argument("--prompt-len", type=int, default=512, help="tokens in the cache before the canvas")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--peers", default="mlx-vlm,mlx-vlm-q4,hf", help="comma-separated peers, or 'none'")
+    p.add_argument("--extras", default="breakdown,moe,sc,compact",
+                   help="comma-separated extra studies: breakdown, moe, sc, compact (or 'none')")
+    p.add_argument("--workdir", default=".bench-cache", help="where the random models are written (reused)")
+    p.add_argument("--json", default="bench.json", help="write the results here")
+
+
+# --------------------------------------------------------------------------------------------
+# models
+
+
+def build(name: str, workdir: Path, canvas: int | None) -> tuple[Path, Path]:
+    """Random Q4_K_M GGUF of a config and its exact conversion (cached in ``workdir``)."""
+    from .convert.converter import convert
+    from .convert.synthetic import TinySpec, write_tiny_gguf
+
+    spec = dict(CONFIGS[name])
+    if canvas:
+        spec["canvas_length"] = canvas
+    tag = f"{name}-c{spec['canvas_length']}"
+    gguf = workdir / f"{tag}.gguf"
+    out = workdir / tag
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not gguf.is_file():
+        write_tiny_gguf(gguf, TinySpec(**spec, context_length=65536), types="q4_k_m", seed=0, weight_std=0.02)
+    if not out.is_dir():
+        convert(gguf, out)
+    return gguf, out
+
+
+def _sync_time(fn: Callable[[], Any], warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        mx.eval(fn())
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _child(conn, fn_name: str, kwargs: dict) -> None:
+    try:
+        res = globals()[fn_name](**kwargs)
+        from .generation import peak_rss_bytes
+
+        mlx_peak = int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else 0
+        if isinstance(res, dict) and "impl" in res:
+            res["peak_rss_bytes"] = peak_rss_bytes()
+            res["mlx_peak_bytes"] = mlx_peak
+        conn.send(("ok", res))
+    except ImportError as e:
+        conn.send(("skip", f"not installed ({e.name})"))
+    except MemoryError:
+        conn.send(("skip", "out of memory"))
+    except Exception as e:  # reported in the table, the run goes on
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def isolated(fn_name: str, **kwargs) -> dict:
+    """Run one measurement in a fresh process: clean peak memory, no interference."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child, args=(child, fn_name, kwargs))
+    proc.start()
+    status, res = parent.recv() if parent.poll(7200) else ("error", "timed out")
+    proc.join()
+    if status == "ok":
+        return res
+    return {"impl": kwargs.get("label", fn_name), "skipped": res}
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def step_flops(a, canvas: int, cache_len: int, sc: bool = True) -> float:
+    """Multiply-adds x 2 of one decoder step (projections, attention, MLPs, experts, head, SC)."""
+    C, H = canvas, a.hidden_size
+    total = 0.0
+    for i in range(a.num_hidden_layers):
+        sliding = a.is_sliding(i)
+        hd = a.head_dim if sliding else a.global_head_dim
+        kv = a.num_key_value_heads if sliding else a.num_global_key_value_heads
+        q, k = a.num_attention_heads * hd, kv * hd
+        keys = min(cache_len, a.sliding_window - 1) + C if sliding else cache_len + C
+        total += 2 * C * H * (q + k * (2 if sliding else 1)) + 2 * C * q * H  # q, k, v, o
+        total += 2 * 2 * C * a.num_attention_heads * keys * hd  # scores and weighted sum
+        total += 2 * C * 3 * H * a.intermediate_size  # dense gated MLP
+        total += 2 * C * H * a.num_experts  # router
+        total += 2 * C * a.top_k_experts * 3 * H * a.moe_intermediate_size  # experts
+    total += 2 * C * H * a.vocab_size  # tied output head
+    if sc:
+        total += 2 * C * H * a.vocab_size + 2 * C * 3 * H * a.intermediate_size  # probs @ E, SC MLP
+    return total
+
+
+def dense_matmul_gflops(dtype: mx.Dtype, M: int = 256, K: int = 2048, N: int = 2048) -> float:
+    """MLX's own dense matmul throughput on this machine (the ceiling for our FLOP/s)."""
+    x = mx.random.normal((M, K)).astype(dtype)
+    w = mx.random.normal((N, K)).astype(dtype)
+    t = statistics.median(_sync_time(lambda: x @ w.T, 1, 3))
+    return 2 * M * K * N / t / 1e9
+
+
+# --------------------------------------------------------------------------------------------
+# ours
+
+
+def _inputs(a, canvas: int, prompt_len: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    prompt = mx.array(rng.integers(0, a.vocab_size, (1, prompt_len)), dtype=mx.int32)
+    canv = mx.array(rng.integers(0, a.vocab_size, (1, canvas)), dtype=mx.int32)
+    return prompt, canv
+
+
+def measure_ours(model_dir: str, prompt_len: int, warmup: int, steps: int, sc_top_k: int | None = None,
+                 label: str = "mlx-dgemma") -> dict:
+    """Decoder pass alone (eager), and the whole step (decoder + sampler + stop rule) eager and
+    compiled. The compiled whole step is the headline figure (it is what generation runs)."""
+    from .api import load
+    from .sampler import SamplerParams
+    from .step import StepFunction
+
+    model, _ = load(model_dir)
+    a = model.args
+    C = a.canvas_length
+    prompt, canvas = _inputs(a, C, prompt_len)
+    cache = model.make_cache()
+    t0 = time.perf_counter()
+    model.prefill(prompt, cache)
+    prefill_s = time.perf_counter() - t0
+    sc = model.denoise(canvas, cache)
+    mx.eval(sc)
+    p = SamplerParams(sc_top_k=sc_top_k)
+    key = mx.random.key(0)
+
+    def decoder():
+        return model.denoise(canvas, cache, sc, sc_top_k=sc_top_k)
+
+    def whole(fn):
+        hist = fn.initial_history((1, C))
+        return lambda: list(fn(canvas, sc, 0.6, key, hist, cache).values())
+
+    dec = _sync_time(decoder, warmup, steps)
+    eager = _sync_time(whole(StepFunction(model, p, compile=False)), warmup, steps)
+    compiled = _sync_time(whole(StepFunction(model, p, compile=True)), warmup + 1, steps)
+    return {"impl": label, "seconds_per_step": statistics.median(compiled),
+            "seconds_per_step_eager": statistics.median(eager), "seconds_decoder_only": statistics.median(dec),
+            "prefill_tokens_per_second": prompt_len / prefill_s,
+            "flops_per_step": step_flops(a, C, prompt_len, sc=True)}
+
+
+# --------------------------------------------------------------------------------------------
+# peers
+
+
+def measure_mlx_vlm(gguf: Path, prompt_len: int, warmup: int, steps: int, quantized: bool) -> dict:
+    from .reference import mlx_vlm_model_from_gguf
+
+    dtype = mx.bfloat16 if quantized else mx.float32
+    model = mlx_vlm_model_from_gguf(gguf, dtype=dtype, quantize_bits=4 if quantized else None)
+    tc = model.config.text_config
+    C = model.config.canvas_length
+    rng = np.random.default_rng(0)
+    prompt = mx.array(rng.integers(0, tc.vocab_size, (1, prompt_len)), dtype=mx.int32)
+    canvas = mx.array(rng.integers(0, tc.vocab_size, (1, C)), dtype=mx.int32)
+    cache = model.make_cache()
+    t0 = time.perf_counter()
+    model.diffusion_prefill_cache(prompt, cache=cache)
+    mx.eval([c.state for c in cache if hasattr(c, "state")] if isinstance(cache, list) else [])
+    prefill_s = time.perf_counter() - t0
+    logits = model.diffusion_decoder_logits(canvas, cache=cache)
+    mx.eval(logits)
+    emb = model.diffusion_prepare_self_conditioning()
+    sc = model.diffusion_self_conditioning(logits, emb)
+    mx.eval(sc)
+
+    def decoder():
+        lg = model.diffusion_decoder_logits(canvas, cache=cache, self_conditioning=sc)
+        # the next step's self-conditioning is part of a step, as in ours
+        return model.diffusion_self_conditioning(lg, emb) if emb is not None else lg
+
+    dec = _sync_time(decoder, warmup, steps)
+    res = {"impl": "mlx-vlm 4-bit g64 (stock, bf16)" if quantized else "mlx-vlm dense f32 (same weights)",
+           "seconds_per_step": statistics.median(dec), "prefill_tokens_per_second": prompt_len / prefill_s}
+    return res
+
+
+def measure_hf(gguf: Path, prompt_len: int, warmup: int, steps: int) -> dict:
+    import torch
+
+    from .reference import HFRunner, hf_model_from_gguf
+
+    model = hf_model_from_gguf(gguf, attn_implementation="eager")
+    run = HFRunner(model)
+    cfg = model.config.text_config
+    C = model.config.canvas_length
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, cfg.vocab_size, (1, prompt_len))
+    canvas = rng.integers(0, cfg.vocab_size, (1, C))
+    t0 = time.perf_counter()
+    run.prefill(prompt)
+    prefill_s = time.perf_counter() - t0
+    sc = run.denoise(canvas)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        run.denoise(canvas, sc)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {"impl": f"HF transformers eager (torch {torch.__version__})", "seconds_per_step": statistics.median(times),
+            "prefill_tokens_per_second": prompt_len / prefill_s}
+
+
+# --------------------------------------------------------------------------------------------
+# studies
+
+
+def breakdown(model_dir: Path, prompt_len: int, steps: int) -> dict[str, float]:
+    """Seconds of each part of a step, each timed alone with the step's shapes."""
+    from .api import load
+    from .sampler import sample_step
+
+    model, _ = load(model_dir)
+    a = model.args
+    C = a.canvas_length
+    prompt, canvas = _inputs(a, C, prompt_len)
+    cache = model.make_cache()
+    model.prefill(prompt, cache)
+    h = mx.random.normal((1, C, a.hidden_size)) * 0.5
+    logits = model.denoise(canvas, cache)
+    mx.eval(h, logits)
+    parts: dict[str, float] = {"attention": 0.0, "dense MLP": 0.0, "router + MoE": 0.0}
+    offset = cache.offset
+    for i, layer in enumerate(model.layers):
+        freqs = None if layer.self_attn.sliding else model._global_freqs()
+        x = layer.input_layernorm(h)
+        parts["attention"] += statistics.median(_sync_time(
+            lambda: layer.self_attn(x, cache[i], offset, False, freqs), 1, steps))
+        parts["dense MLP"] += statistics.median(_sync_time(lambda: layer.mlp(x), 1, steps))
+
+        def moe():
+            idx, w = layer.router(h)
+            return layer.experts(layer.pre_feedforward_layernorm_2(h), idx, w)
+
+        parts["router + MoE"] += statistics.median(_sync_time(moe, 1, steps))
+    parts["output head"] = statistics.median(_sync_time(lambda: model.logits(h), 1, steps))
+    parts["self-conditioning"] = statistics.median(_sync_time(
+        lambda: model.self_conditioning(h, model.soft_embeddings(logits, mx.float32)), 1, steps))
+    parts["sampler"] = statistics.median(_sync_time(
+        lambda: list(sample_step(logits, 0.6, 0.1, a.vocab_size, mx.random.key(0)).values()), 1, steps))
+    return parts
+
+
+def moe_alternatives(model_dir: Path, steps: int) -> dict[str, float]:
+    """One layer's experts on a canvas of tokens: sorted gather_qmm (ours), unsorted, per-expert."""
+    from .api import load
+    from .model import _gelu
+
+    model, _ = load(model_dir)
+    a = model.args
+    C = a.canvas_length
+    layer = model.layers[0]
+    h = mx.random.normal((1, C, a.hidden_size)) * 0.5
+    idx, w = layer.router(h)
+    x = layer.pre_feedforward_layernorm_2(h)
+    mx.eval(idx, w, x)
+    ex = layer.experts
+    out = {"gather_qmm sorted (ours)": statistics.median(_sync_time(lambda: ex(x, idx, w), 1, steps))}
+
+    def unsorted():
+        xs = mx.expand_dims(x.reshape(-1, a.hidden_size), (-2, -3))
+        ids = idx.reshape(-1, a.top_k_experts)
+        gu = ex.gate_up_proj(xs, ids)
+        y = ex.down_proj(_gelu(gu[..., : ex.inter]) * gu[..., ex.inter:], ids).squeeze(-2)
+        return (y * w.reshape(-1, a.top_k_experts, 1)).sum(-2)
+
+    out["gather_qmm unsorted"] = statistics.median(_sync_time(unsorted, 1, steps))
+
+    def per_expert():
+        flat = x.reshape(-1, a.hidden_size)
+        ids = np.array(idx.reshape(-1, a.top_k_experts))
+        ww = w.reshape(-1, a.top_k_experts)
+        y = mx.zeros_like(flat)
+        gu_w, dn = ex.gate_up_proj, ex.down_proj
+        for e in np.unique(ids):
+            tok, slot = np.nonzero(ids == e)
+            xe = flat[mx.array(tok)]
+            g = mx.quantized_matmul(xe, gu_w["weight"][int(e)], gu_w["scales"][int(e)], gu_w["biases"][int(e)],
+                                    transpose=True, group_size=32, bits=gu_w.bits)
+            act = _gelu(g[..., : ex.inter]) * g[..., ex.inter:]
+            d = mx.quantized_matmul(act, dn["weight"][int(e)], dn["scales"][int(e)], dn["biases"][int(e)],
+                                    transpose=True, group_size=32, bits=dn.bits)
+            y = y.at[mx.array(tok)].add(d * ww[mx.array(tok), mx.array(slot)][:, None])
+        return y
+
+    if hasattr(ex.gate_up_proj, "bits"):
+        out["per-expert quantized_matmul"] = statistics.median(_sync_time(per_expert, 1, steps))
+    return out
+
+
+def sc_top_k_study(model_dir: Path, prompt_len: int, steps: int, ks=(64, 16)) -> list[dict]:
+    from .api import load
+
+    model, _ = load(model_dir)
+    a = model.args
+    prompt, canvas = _inputs(a, a.canvas_length, prompt_len)
+    cache = model.make_cache()
+    model.prefill(prompt, cache)
+    sc = model.denoise(canvas, cache) / 0.6
+    mx.eval(sc)
+    exact = model.denoise(canvas, cache, sc)
+    t_exact = statistics.median(_sync_time(lambda: model.soft_embeddings(sc, mx.float32), 1, steps))
+    rows = [{"sc_top_k": None, "soft_embedding_seconds": t_exact, "max_rel_logit_error": 0.0}]
+    for k in ks:
+        approx = model.denoise(canvas, cache, sc, sc_top_k=k)
+        err = float(mx.abs(approx - exact).max() / mx.abs(exact).max())
+        t = statistics.median(_sync_time(lambda: model.soft_embeddings(sc, mx.float32, top_k=k), 1, steps))
+        rows.append({"sc_top_k": k, "soft_embedding_seconds": t, "max_rel_logit_error": err})
+    return rows
+
+
+def compact_study(gguf: Path, model_dir: Path, prompt_len: int, warmup: int, steps: int) -> dict:
+    from .convert.converter import convert
+
+    compact_dir = model_dir.with_name(model_dir.name + "-compact")
+    if not compact_dir.is_dir():
+        convert(gguf, compact_dir, compact=True)
+    size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
+    exact = isolated("measure_ours", model_dir=str(model_dir), prompt_len=prompt_len, warmup=warmup, steps=steps,
+                     label="exact")
+    compact = isolated("measure_ours", model_dir=str(compact_dir), prompt_len=prompt_len, warmup=warmup,
+                       steps=steps, label="compact")
+    return {fmt: {"bytes": size(d), "seconds_per_step": r.get("seconds_per_step"),
+                  "peak_rss_bytes": r.get("peak_rss_bytes")}
+            for fmt, d, r in (("exact", model_dir, exact), ("compact", compact_dir, compact))}
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": sys.version.split()[0], "mlx": mx.__version__, "device": str(mx.default_device())}
+    try:
+        import os
+
+        info["cpus"] = os.cpu_count()
+    except Exception:  # pragma: no cover
+        pass
+    return info
+
+
+def run(args: argparse.Namespace) -> dict:
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        from .errors import ParameterError
+
+        raise ParameterError(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS)}")
+    peers = [] if args.peers == "none" else [p.strip() for p in args.peers.split(",")]
+    extras = [] if args.extras == "none" else [e.strip() for e in args.extras.split(",")]
+    work = Path(args.workdir)
+    result: dict[str, Any] = {"machine": machine(), "dense_matmul_gflops": {}, "configs": {}}
+    for dt_name, dt in (("float32", mx.float32), ("bfloat16", mx.bfloat16)):
+        result["dense_matmul_gflops"][dt_name] = dense_matmul_gflops(dt)
+    for name in names:
+        print(f"[bench] {name}: building the random model", file=sys.stderr)
+        gguf, model_dir = build(name, work, args.canvas)
+        entry: dict[str, Any] = {"rows": []}
+        print(f"[bench] {name}: mlx-dgemma", file=sys.stderr)
+        ours = isolated("measure_ours", model_dir=str(model_dir), prompt_len=args.prompt_len, warmup=args.warmup,
+                        steps=args.steps)
+        if "skipped" in ours:
+            raise RuntimeError(f"mlx-dgemma failed in the benchmark: {ours['skipped']}")
+        ours["achieved_gflops"] = ours["flops_per_step"] / ours["seconds_per_step"] / 1e9
+        ours["fraction_of_dense_matmul"] = ours["achieved_gflops"] / result["dense_matmul_gflops"]["float32"]
+        entry["rows"].append(ours)
+        for peer in peers:
+            print(f"[bench] {name}: {peer}", file=sys.stderr)
+            common = dict(gguf=str(gguf), prompt_len=args.prompt_len, warmup=args.warmup, steps=args.steps)
+            if peer in ("mlx-vlm", "mlx-vlm-q4"):
+                row = isolated("measure_mlx_vlm", quantized=peer == "mlx-vlm-q4", **common)
+            elif peer == "hf":
+                row = isolated("measure_hf", **common)
+            else:
+                from .errors import ParameterError
+
+                raise ParameterError(f"--peers: unknown peer {peer!r}; choose from mlx-vlm, mlx-vlm-q4, hf")
+            if "seconds_per_step" in row:
+                row["ours_vs_peer"] = ours["seconds_per_step"] / row["seconds_per_step"]
+            entry["rows"].append(row)
+            gc.collect()
+        if "breakdown" in extras:
+            entry["breakdown"] = isolated("breakdown", model_dir=str(model_dir), prompt_len=args.prompt_len,
+                                          steps=args.steps)
+        if "moe" in extras:
+            entry["moe"] = isolated("moe_alternatives", model_dir=str(model_dir), steps=args.steps)
+        if "sc" in extras:
+            entry["sc_top_k"] = isolated("sc_top_k_study", model_dir=str(model_dir), prompt_len=args.prompt_len,
+                                         steps=args.steps)
+        if "compact" in extras:
+            entry["formats"] = compact_study(gguf, model_dir, args.prompt_len, args.warmup, args.steps)
+        result["configs"][f"{name} (canvas {json.loads((model_dir / 'config.json').read_text())['canvas_length']})"] = entry
+    return result
+
+
+def table(result: dict) -> str:
+    lines = [f"machine: {result['machine']['platform']} ({result['machine']['device']}, mlx {result['machine']['mlx']})",
+             "MLX dense matmul: " + ", ".join(f"{k} {v:.2f} GFLOP/s" for k, v in result["dense_matmul_gflops"].items())]
+    for name, entry in result["configs"].items():
+        lines += ["", f"## {name}",
+                  f"{'implementation':<36} {'s/step':>9} {'ours/peer':>9} {'prefill tok/s':>13} {'peak RSS GB':>11}"]
+        for r in entry["rows"]:
+            if "skipped" in r:
+                lines.append(f"{r['impl']:<36} skipped: {r['skipped']}")
+                continue
+            ratio = f"{r['ours_vs_peer']:.2f}" if "ours_vs_peer" in r else "-"
+            peak = f"{r['peak_rss_bytes'] / 1e9:.2f}" if r.get("peak_rss_bytes") else "-"
+            lines.append(f"{r['impl']:<36} {r['seconds_per_step']:>9.3f} {ratio:>9} "
+                         f"{r['prefill_tokens_per_second']:>13.1f} {peak:>11}")
+        ours = entry["rows"][0]
+        lines.append(f"ours: {ours['flops_per_step'] / 1e9:.1f} GFLOP/step -> {ours['achieved_gflops']:.2f} GFLOP/s = "
+                     f"{ours['fraction_of_dense_matmul']:.0%} of MLX dense f32 matmul")
+        lines.append(f"step: compiled {ours['seconds_per_step']:.3f} s, eager {ours['seconds_per_step_eager']:.3f} s "
+                     f"(decoder pass alone {ours['seconds_decoder_only']:.3f} s)")
+        for study in ("breakdown", "moe", "sc_top_k"):
+            if isinstance(entry.get(study), dict) and "skipped" in entry[study]:
+                lines.append(f"{study}: skipped ({entry.pop(study)['skipped']})")
+        if "breakdown" in entry:
+            total = sum(entry["breakdown"].values())
+            lines.append("breakdown: " + ", ".join(f"{k} {v / total:.0%}" for k, v in entry["breakdown"].items()))
+        if "moe" in entry:
+            lines.append("MoE (one layer): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in entry["moe"].items()))
+        if "sc_top_k" in entry:
+            lines.append("self-conditioning: " + ", ".join(
+                f"{'exact' if r['sc_top_k'] is None else 'top-' + str(r['sc_top_k'])} "
+                f"{r['soft_embedding_seconds'] * 1e3:.1f} ms (err {r['max_rel_logit_error']:.1e})"
+                for r in entry["sc_top_k"]))
+        if "formats" in entry:
+            f = entry["formats"]
+            lines.append(f"formats: exact {f['exact']['bytes'] / 1e6:.1f} MB {f['exact']['seconds_per_step']:.3f} s/step; "
+                         f"compact {f['compact']['bytes'] / 1e6:.1f} MB {f['compact']['seconds_per_step']:.3f} s/step")
+    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
-    raise SystemExit("bench: not implemented yet")
+    result = run(args)
+    print(table(result))
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.json}", file=sys.stderr)
+    return 0

@@ -1,8 +1,13 @@
 """The KV cache shared by the encoder (writes) and the denoiser (reads).
 
-Global layers keep every position; sliding layers keep the last ``sliding_window - 1``
-positions, exactly what a new token needs (it sees itself plus ``window - 1`` before it),
-as transformers' ``DynamicSlidingWindowLayer`` does.
+Sliding layers keep the last ``sliding_window - 1`` positions, exactly what a new token needs
+(it sees itself plus ``window - 1`` before it), as transformers' ``DynamicSlidingWindowLayer``
+does. Global layers keep every position.
+
+Shapes stay fixed so a compiled denoising step is reused: sliding layers use a ring buffer of
+``window - 1`` slots; global layers grow in buckets of ``bucket`` slots. ``pos`` holds each
+slot's position (-1 for an empty slot) and the masks are built from it, so unused slots are
+never attended and the order of slots does not matter (RoPE is applied before caching).
 """
 
 from __future__ import annotations
@@ -14,52 +19,104 @@ import mlx.core as mx
 if TYPE_CHECKING:  # pragma: no cover
     from .model import ModelArgs
 
+DEFAULT_BUCKET = 1024
+
 
 class LayerCache:
-    def __init__(self, sliding: bool, window: int):
+    def __init__(self, sliding: bool, window: int, bucket: int = DEFAULT_BUCKET):
         self.sliding = sliding
         self.window = window
-        self.keys: mx.array | None = None  # [B, Hkv, T, D]
+        self.bucket = bucket
+        self.keys: mx.array | None = None  # [B, Hkv, capacity, D]
         self.values: mx.array | None = None
+        self.pos: mx.array | None = None  # [capacity] int32, -1 = empty
+        self.count = 0  # positions written so far
 
     @property
-    def length(self) -> int:
+    def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def attend(self, k: mx.array, v: mx.array, offset: int, encode: bool):
+    def _allocate(self, k: mx.array, v: mx.array, capacity: int) -> None:
+        """Create or enlarge the buffers to ``capacity`` slots (new slots empty)."""
+        B, H, _, D = k.shape
+        extra = capacity - self.capacity
+        zk = mx.zeros((B, H, extra, D), dtype=k.dtype)
+        zv = mx.zeros((B, H, extra, v.shape[-1]), dtype=v.dtype)
+        empty = mx.full((extra,), -1, dtype=mx.int32)
+        if self.keys is None:
+            self.keys, self.values, self.pos = zk, zv, empty
+        else:
+            self.keys = mx.concatenate([self.keys, zk], axis=2)
+            self.values = mx.concatenate([self.values, zv], axis=2)
+            self.pos = mx.concatenate([self.pos, empty])
+
+    def attend(self, k: mx.array, v: mx.array, offset: int | mx.array, encode: bool):
         """Keys, values and mask for queries at positions ``offset ..``; the encoder also stores.
 
         Encoder: causal (and windowed on sliding layers) over cache + new tokens.
-        Decoder: no mask at all; the canvas sees the cache window and itself.
+        Decoder: the canvas sees every filled cache slot and itself, bidirectionally.
         """
-        past = self.length
-        if past:
+        n = k.shape[2]
+        if self.keys is None:
+            keys, values, k_pos = k, v, None
+        else:
             keys = mx.concatenate([self.keys, k], axis=2)
             values = mx.concatenate([self.values, v], axis=2)
-        else:
-            keys, values = k, v
+            k_pos = self.pos
         if not encode:
-            return keys, values, None
-        n = k.shape[2]
-        q_pos = mx.arange(offset, offset + n)[:, None]
-        k_pos = mx.arange(offset - past, offset + n)[None, :]
-        mask = k_pos <= q_pos
+            if k_pos is None:
+                return keys, values, None
+            visible = mx.concatenate([k_pos >= 0, mx.ones((n,), dtype=mx.bool_)])
+            return keys, values, visible[None, None, None, :]
+        new_pos = mx.arange(n, dtype=mx.int32) + offset
+        all_pos = new_pos if k_pos is None else mx.concatenate([k_pos, new_pos])
+        q = new_pos[:, None]
+        kp = all_pos[None, :]
+        mask = (kp >= 0) & (kp <= q)
         if self.sliding:
-            mask = mask & (q_pos - k_pos < self.window)
-            keep = self.window - 1
-            self.keys, self.values = keys[:, :, -keep:], values[:, :, -keep:]
-        else:
-            self.keys, self.values = keys, values
+            mask = mask & (q - kp < self.window)
+        self._store(k, v, new_pos)
         return keys, values, mask
+
+    def _store(self, k: mx.array, v: mx.array, new_pos: mx.array) -> None:
+        n = k.shape[2]
+        if self.sliding:
+            ring = self.window - 1
+            if self.keys is None:
+                self._allocate(k, v, ring)
+            m = min(n, ring)
+            slots = new_pos[-m:] % ring
+            self.keys[:, :, slots] = k[:, :, -m:]
+            self.values[:, :, slots] = v[:, :, -m:]
+            self.pos[slots] = new_pos[-m:]
+        else:
+            need = self.count + n
+            if need > self.capacity:
+                self._allocate(k, v, -(-need // self.bucket) * self.bucket)
+            self.keys[:, :, self.count:need] = k
+            self.values[:, :, self.count:need] = v
+            self.pos[self.count:need] = new_pos
+        self.count += n
+
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values, self.pos]
+
+    def with_state(self, arrays: list[mx.array]) -> "LayerCache":
+        """A read-only view over given arrays (used inside a compiled step)."""
+        view = LayerCache(self.sliding, self.window, self.bucket)
+        if arrays:
+            view.keys, view.values, view.pos = arrays
+        view.count = self.count
+        return view
 
 
 class KVCache:
     """Per-layer caches plus the number of positions encoded so far."""
 
-    def __init__(self, args: "ModelArgs"):
-        self.layers = [LayerCache(args.is_sliding(i), args.sliding_window)
+    def __init__(self, args: "ModelArgs", bucket: int = DEFAULT_BUCKET):
+        self.layers = [LayerCache(args.is_sliding(i), args.sliding_window, bucket)
                        for i in range(args.num_hidden_layers)]
-        self.offset = 0
+        self.offset: int | mx.array = 0
 
     def __getitem__(self, i: int) -> LayerCache:
         return self.layers[i]
@@ -68,7 +125,18 @@ class KVCache:
         self.offset += n
 
     def state(self) -> list[mx.array]:
-        return [a for c in self.layers if c.keys is not None for a in (c.keys, c.values)]
+        return [a for c in self.layers for a in c.state()]
+
+    def view(self, arrays: list[mx.array], offset: mx.array) -> "KVCache":
+        """A view with the given state arrays and an array offset (for mx.compile)."""
+        v = KVCache.__new__(KVCache)
+        v.layers, i = [], 0
+        for c in self.layers:
+            k = len(c.state())
+            v.layers.append(c.with_state(arrays[i:i + k]))
+            i += k
+        v.offset = offset
+        return v
 
     @property
     def nbytes(self) -> int:

@@ -21,7 +21,8 @@ from .cache import KVCache
 from .chat import ParsedAnswer, parse_answer, render_chat
 from .errors import ParameterError
 from .model import DiffusionGemma
-from .sampler import SamplerParams, StableAndConfident, finalize_block, sample_step, temperature
+from .sampler import SamplerParams, finalize_block, temperature
+from .step import StepFunction
 from .tokenizer import Tokenizer
 
 
@@ -102,17 +103,19 @@ class BlockResult:
 
 
 def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, key: mx.array,
-                  dtype: mx.Dtype = mx.float32, block: int = 0,
-                  initial_canvas: mx.array | None = None) -> Iterator[StepEvent | BlockResult]:
+                  dtype: mx.Dtype = mx.float32, block: int = 0, initial_canvas: mx.array | None = None,
+                  step_fn: StepFunction | None = None) -> Iterator[StepEvent | BlockResult]:
     """Denoise one canvas against ``cache``: yields a StepEvent per step, then a BlockResult.
 
-    Per step only the canvas, draft, accepted mask and entropies ([C] each) reach the host.
+    Each step is one compiled graph and one device sync; only the canvas, draft, accepted
+    mask and entropies ([C] each) reach the host, never the [C, V] logits.
     """
     C, V = model.args.canvas_length, model.args.vocab_size
+    step_fn = step_fn or StepFunction(model, params, dtype)
     key, k0 = mx.random.split(key)
     canvas = initial_canvas if initial_canvas is not None else \
         mx.random.randint(0, V, (1, C), key=k0).astype(mx.int32)
-    stopper = StableAndConfident(params.stability_threshold, params.confidence_threshold)
+    history = step_fn.initial_history((1, C))
     sc_logits = None
     argmax = canvas
     N = params.max_denoising_steps
@@ -120,13 +123,12 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
         t0 = time.perf_counter()
         key, sub = mx.random.split(key)
         temp = temperature(left, params)
-        logits = model.denoise(canvas, cache, sc_logits, dtype=dtype, sc_top_k=params.sc_top_k)
-        out = sample_step(logits, temp, params.entropy_bound, V, sub)
-        stop = stopper(out["argmax"], out["entropy"])
-        mx.eval(out["canvas"], out["argmax"], out["accepted"], out["entropy"], stop, stopper.history)
-        argmax, canvas, sc_logits = out["argmax"], out["canvas"], out["processed"]
+        out = step_fn(canvas, sc_logits, temp, sub, history, cache)
+        mx.eval(out["canvas"], out["argmax"], out["accepted"], out["entropy"], out["processed"], out["stop"],
+                out["history"])
+        canvas, argmax, sc_logits, history = out["canvas"], out["argmax"], out["processed"], out["history"]
         entropy = np.array(out["entropy"][0])
-        stopped = bool(stop[0].item())
+        stopped = bool(out["stop"][0].item())
         yield StepEvent(block, i, N, _frozen(np.array(canvas[0])), _frozen(np.array(argmax[0])),
                         _frozen(np.array(out["accepted"][0])), _frozen(entropy), float(entropy.mean()),
                         float(temp), time.perf_counter() - t0, stopped)
@@ -250,10 +252,11 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
     steps = 0  # every decoder pass, a cancelled block's included
     reason = "length"
     t_gen = time.perf_counter()
+    step_fn = StepFunction(model, p, dtype)  # traced once, reused by every block
     for b in range(n_blocks):
         key, sub = mx.random.split(key)
         result: BlockResult | None = None
-        for ev in denoise_block(model, cache, p, sub, dtype=dtype, block=b):
+        for ev in denoise_block(model, cache, p, sub, dtype=dtype, block=b, step_fn=step_fn):
             if isinstance(ev, BlockResult):
                 result = ev
                 break

@@ -112,12 +112,29 @@ def sample_step(raw_logits: mx.array, temp: float | mx.array, bound: float, voca
             "canvas": canvas.astype(mx.int32)}
 
 
-class StableAndConfident:
-    """Stop when the argmax canvas repeated ``k`` times and the mean entropy is below a bound.
+def stop_update(history: mx.array | None, argmax: mx.array, entropy: mx.array, k: int,
+                threshold: float) -> tuple[mx.array, mx.array | None]:
+    """StableAndConfident as a pure function: (stop [B], new history [k, B, C]).
 
-    The history starts filled with -1, so k + 1 identical argmax canvases are needed in a row
-    (the reference's behaviour).
+    Stable: the argmax canvas equals each of the last k; the history starts filled with -1,
+    so k + 1 identical canvases in a row are needed (the reference's behaviour).
+    Confident: the mean entropy of the temperature-scaled logits is below ``threshold``.
     """
+    confident = mx.mean(entropy, axis=-1) < threshold
+    if k == 0:
+        return confident, history
+    if history is None:
+        history = initial_history(k, argmax.shape)
+    stable = mx.all(history == argmax[None], axis=(0, 2))
+    return stable & confident, mx.concatenate([history[1:], argmax[None]], axis=0)
+
+
+def initial_history(k: int, shape: tuple[int, ...]) -> mx.array:
+    return mx.full((max(1, k), *shape), -1, dtype=mx.int32)
+
+
+class StableAndConfident:
+    """Stateful wrapper of :func:`stop_update` (mirrors the reference's class)."""
 
     def __init__(self, stability_threshold: int, confidence_threshold: float):
         self.k = stability_threshold
@@ -128,15 +145,8 @@ class StableAndConfident:
         self.history = None
 
     def __call__(self, argmax: mx.array, entropy: mx.array) -> mx.array:
-        if self.k == 0:
-            stable = mx.ones((argmax.shape[0],), dtype=mx.bool_)
-        else:
-            if self.history is None:
-                self.history = mx.full((self.k, *argmax.shape), -1, dtype=argmax.dtype)
-            stable = mx.all(self.history == argmax[None], axis=(0, 2))
-            self.history = mx.concatenate([self.history[1:], argmax[None]], axis=0)
-        confident = mx.mean(entropy, axis=-1) < self.threshold
-        return stable & confident
+        stop, self.history = stop_update(self.history, argmax.astype(mx.int32), entropy, self.k, self.threshold)
+        return stop
 
 
 def finalize_block(block: list[int], eos_ids: tuple[int, ...], pad_id: int) -> tuple[list[int], bool]:

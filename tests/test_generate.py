@@ -73,6 +73,30 @@ def test_stream_events(loaded):
                     max_denoising_steps=5, max_new_tokens=64) == done.text
 
 
+def test_compiled_step_matches_eager(loaded):
+    from mlx_dgemma.step import StepFunction
+
+    model, _ = loaded
+    p = SamplerParams(max_denoising_steps=8)
+    cache = model.make_cache()
+    model.prefill(mx.array([list(range(5, 45))], dtype=mx.int32), cache)
+    C = model.args.canvas_length
+    canvas = mx.array([list(range(100, 100 + C))], dtype=mx.int32)
+    outs = []
+    for compiled in (True, False):
+        fn = StepFunction(model, p, compile=compiled)
+        hist = fn.initial_history((1, C))
+        a = fn(canvas, None, 0.8, mx.random.key(1), hist, cache)
+        b = fn(a["canvas"], a["processed"], 0.7, mx.random.key(2), a["history"], cache)
+        outs.append((a, b))
+    (ca, cb), (ea, eb) = outs
+    for k in ("canvas", "argmax", "accepted", "stop", "history"):
+        assert np.array_equal(np.array(ca[k]), np.array(ea[k])), k
+        assert np.array_equal(np.array(cb[k]), np.array(eb[k])), k
+    np.testing.assert_allclose(np.array(cb["entropy"]), np.array(eb["entropy"]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(cb["processed"]), np.array(eb["processed"]), rtol=1e-4, atol=1e-4)
+
+
 class EosModel:
     """A fake decoder that puts <turn|> at position 5 with full confidence."""
 

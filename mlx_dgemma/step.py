@@ -1,0 +1,64 @@
+"""One denoising step as a single compiled MLX graph: decoder pass, sampler and stopping rule.
+
+Everything that changes between steps is an input (canvas, self-conditioning logits,
+temperature, random key, stability history, cache arrays, cache offset), so the graph is
+traced once per cache shape. Sliding layers have fixed-size caches and global layers grow
+in buckets, so a new block reuses the trace until a bucket fills.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from .cache import KVCache
+from .model import DiffusionGemma
+from .sampler import SamplerParams, initial_history, sample_step, stop_update
+
+OUTPUTS = ("canvas", "argmax", "accepted", "entropy", "processed", "stop", "history")
+
+
+class StepFunction:
+    """``step(canvas, sc_logits | None, temperature, key, history, cache) -> dict`` of OUTPUTS."""
+
+    def __init__(self, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype = mx.float32,
+                 compile: bool = True):
+        self.model, self.params, self.dtype = model, params, dtype
+        self.compiled = compile
+        self._fns: dict[bool, Callable] = {}
+        self._cache: KVCache | None = None
+
+    def _fn(self, with_sc: bool) -> Callable:
+        if with_sc not in self._fns:
+            body = self._body(with_sc)
+            self._fns[with_sc] = mx.compile(body) if self.compiled else body
+        return self._fns[with_sc]
+
+    def _body(self, with_sc: bool) -> Callable:
+        model, p, dtype = self.model, self.params, self.dtype
+
+        def body(canvas, sc, temp, key, history, offset, *state):
+            # a real cache becomes a view over the traced inputs; anything else (test doubles) passes as is
+            cache = self._cache.view(list(state), offset) if isinstance(self._cache, KVCache) else self._cache
+            logits = model.denoise(canvas, cache, sc if with_sc else None, dtype=dtype, sc_top_k=p.sc_top_k)
+            out = sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key)
+            stop, new_history = stop_update(history, out["argmax"], out["entropy"], p.stability_threshold,
+                                            p.confidence_threshold)
+            return (out["canvas"], out["argmax"], out["accepted"], out["entropy"], out["processed"], stop,
+                    new_history)
+
+        return body
+
+    def initial_history(self, shape: tuple[int, ...]) -> mx.array:
+        return initial_history(self.params.stability_threshold, shape)
+
+    def __call__(self, canvas: mx.array, sc: mx.array | None, temperature: float, key: mx.array,
+                 history: mx.array, cache: KVCache | None) -> dict[str, mx.array]:
+        self._cache = cache
+        real = isinstance(cache, KVCache)
+        state = cache.state() if real else []
+        offset = mx.array(cache.offset if real else 0, dtype=mx.int32)
+        out = self._fn(sc is not None)(canvas, sc if sc is not None else mx.zeros((1,)),
+                                       mx.array(temperature, dtype=mx.float32), key, history, offset, *state)
+        return dict(zip(OUTPUTS, out))
