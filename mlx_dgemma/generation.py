@@ -143,7 +143,19 @@ def _peak_memory() -> int:
         peak = int(mx.get_peak_memory())
     except AttributeError:  # pragma: no cover - older MLX
         peak = 0
-    return peak or peak_rss_bytes()
+    # below 64 MB MLX is not tracking this backend's allocations (CPU): use the process's
+    return peak if peak > 64 << 20 else peak_rss_bytes()
+
+
+def current_rss_bytes() -> int:
+    """Resident memory now (Linux /proc); the peak elsewhere."""
+    try:
+        import os
+
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
 
 
 def peak_rss_bytes() -> int:

@@ -70,10 +70,10 @@ class ModelBackend:
     def memory_bytes(self) -> int:
         import mlx.core as mx
 
-        from ..generation import peak_rss_bytes
+        from ..generation import current_rss_bytes
 
         active = int(mx.get_active_memory()) if hasattr(mx, "get_active_memory") else 0
-        return active or peak_rss_bytes()
+        return active if active > 64 << 20 else current_rss_bytes()
 
 
 class Engine:

@@ -129,7 +129,7 @@ class ChatScreen(Screen):
         self.query_one("#canvas-title", Static).update(Text.assemble(
             f"canvas: block {block + 1}, step {ev.step}/{ev.max_steps}{live}   ",
             ("accepted now", "bold bright_green"), " ", ("accepted before", "cyan"), " ",
-            ("draft", "grey58 italic"), " ", ("bg = entropy", "on rgb(140,70,45)")))
+            ("draft", "grey58 italic"), " ", ("bg: entropy", "on rgb(140,70,45)")))
         self.query_one(CanvasView).show(ev, earlier)
         self.query_one(EntropyChart).set_block(steps, ev.canvas.size, index)
         spf = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0

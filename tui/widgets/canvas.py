@@ -10,6 +10,8 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from ..text import printable
+
 CELL = 7  # characters per token piece, plus one space
 MAX_ENTROPY = 6.0  # nats; brighter background = more uncertain
 
@@ -50,7 +52,7 @@ class CanvasView(Widget):
         for i in range(ev.canvas.size):
             acc = bool(ev.accepted[i])
             tok = int(ev.canvas[i] if acc else ev.draft[i])
-            piece = self.piece(tok).replace("\n", "⏎").replace("\t", "⇥")
+            piece = printable(self.piece(tok).replace("\n", "⏎").replace("\t", "⇥"))
             piece = (piece[: CELL - 2] + "…") if len(piece) > CELL - 1 else piece
             if acc and self.earlier is not None and self.earlier[i]:
                 fg = Style(color="cyan")

@@ -7,6 +7,8 @@ from functools import partial
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Collapsible, Markdown, Static
 
+from ..text import printable
+
 
 class Answer(Vertical):
     def __init__(self, answer_id: int, **kw):
@@ -26,8 +28,8 @@ class Answer(Vertical):
     def set_text(self, answer: str, thinking: str = "", note: str = "") -> None:
         if thinking:
             self._collapsible.display = True
-            self._thought.update(thinking)
-        self.target = (answer or "…") + (f"\n\n*{note}*" if note else "")
+            self._thought.update(printable(thinking))
+        self.target = printable(answer or "…") + (f"\n\n*{note}*" if note else "")
         # Markdown renders asynchronously: an exclusive worker cancels a stale render, so a
         # late update of an earlier block can never overwrite the final answer.
         self.run_worker(partial(self._render_markdown, self.target), exclusive=True, group="markdown")
