@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -255,6 +256,7 @@ def _write_shards(reader: GGUFReader, tmp: Path, compact: bool, max_shard_bytes:
             if c.spec is not None:
                 specs[mlx_name(t.name)[: -len(".weight")]] = c.spec.to_dict()
             done += int(t.n_bytes)
+            release_pages(reader, t)
             if progress:
                 progress(done, total_bytes, i + 1, len(tensors), t.name)
             del c
@@ -267,6 +269,22 @@ def _write_shards(reader: GGUFReader, tmp: Path, compact: bool, max_shard_bytes:
     finalize_shard_names(tmp, files, weight_map)
     write_index(tmp, weight_map, sum((tmp / f).stat().st_size for f in set(weight_map.values())))
     return specs
+
+
+def release_pages(reader: GGUFReader, t) -> None:
+    """Drop a converted tensor's pages from the memory map, so the resident set stays at about
+    one tensor instead of growing with everything read (the pages are file-backed: dropping
+    them costs nothing but a re-read if touched again)."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = (int(t.data_offset) // page) * page
+    end = int(t.data_offset) + int(t.n_bytes)
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):  # best effort: some platforms refuse it on shared maps
+        pass
 
 
 def _planned_names(t) -> list[str]:

@@ -298,13 +298,16 @@ def pad_subblocks(x: np.ndarray, subblock: int) -> np.ndarray:
     return np.concatenate([x, np.zeros_like(x)], axis=-2).reshape(*lead, 2 * n)
 
 
-def narrowest_exact_dtype(*arrays: np.ndarray) -> type:
-    """float16 when every value survives a float16 round trip, else float32."""
+def narrowest_exact_dtype(*arrays: np.ndarray, chunk: int = 1 << 20) -> type:
+    """float16 when every value survives a float16 round trip, else float32 (checked in
+    slices, so no full-size temporaries)."""
     for a in arrays:
-        with np.errstate(over="ignore"):
-            h = a.astype(np.float16)
-        if not np.array_equal(h.astype(np.float32), a):
-            return np.float32
+        flat = a.reshape(-1)
+        for i in range(0, flat.size, chunk):
+            part = flat[i:i + chunk]
+            with np.errstate(over="ignore"):
+                if not np.array_equal(part.astype(np.float16).astype(np.float32), part):
+                    return np.float32
     return np.float16
 
 

@@ -17,7 +17,7 @@ from .quants import (FLOAT_TYPES, FORMATS, SUPPORTED_TYPES, dequantize_affine, n
                      pack_bits, repack_rows)
 
 # Rows of ggml blocks repacked at a time: bounds the temporary arrays to a few tens of MB.
-_CHUNK_BYTES = 32 << 20
+_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def convert_tensor(t, compact: bool = False) -> Converted:
     if qtype in FLOAT_TYPES:
         if qtype == T.BF16:
             arr = np.ascontiguousarray(raw).view(np.uint16).reshape(shape)
-            arrays = {path: _BF16(arr)}
+            arrays = {path: BF16Payload(arr)}
         else:
             arrays = {path: np.ascontiguousarray(raw, dtype=FLOAT_TYPES[qtype]).reshape(shape)}
         return Converted(t.name, qtype.name, arrays, None, n_el, int(t.n_bytes))
@@ -166,7 +166,7 @@ def convert_tensor(t, compact: bool = False) -> Converted:
     return Converted(t.name, qtype.name, arrays, spec, n_el, int(t.n_bytes), err)
 
 
-class _BF16(np.ndarray):
+class BF16Payload(np.ndarray):
     """uint16 payload tagged as bfloat16 for the safetensors writer."""
 
     def __new__(cls, a: np.ndarray):

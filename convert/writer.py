@@ -14,7 +14,7 @@ _DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np
 
 
 def st_dtype(a: np.ndarray) -> str:
-    """safetensors dtype tag; uint16 arrays are bfloat16 payloads (see tensors._BF16)."""
+    """safetensors dtype tag; uint16 arrays are bfloat16 payloads (see tensors.BF16Payload)."""
     return _DTYPES[a.dtype]
 
 

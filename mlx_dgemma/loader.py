@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_map_with_path
 
 from .errors import ModelFilesError
@@ -73,7 +74,7 @@ def load_gguf(path: Path, dtype: mx.Dtype = mx.float32, compact: bool = False,
     from .convert.converter import model_config, model_metadata, open_gguf, tokenizer_payload
     from .convert.metadata import generation_config
     from .convert.names import mlx_name
-    from .convert.tensors import convert_tensor
+    from .convert.tensors import BF16Payload, convert_tensor
 
     reader = open_gguf(path)
     md, cfg = model_metadata(reader, str(path))
@@ -83,7 +84,7 @@ def load_gguf(path: Path, dtype: mx.Dtype = mx.float32, compact: bool = False,
     for i, t in enumerate(tensors):
         c = convert_tensor(t, compact=compact)
         for name, a in c.arrays.items():
-            arr = mx.array(a.view("uint16")).view(mx.bfloat16) if type(a).__name__ == "_BF16" else mx.array(a)
+            arr = mx.array(a.view(np.uint16)).view(mx.bfloat16) if isinstance(a, BF16Payload) else mx.array(a)
             weights.append((name, arr))
         if c.spec is not None:
             specs[mlx_name(t.name)[: -len(".weight")]] = c.spec.to_dict()

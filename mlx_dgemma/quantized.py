@@ -59,7 +59,13 @@ class GGUFQuantizedEmbedding(nn.QuantizedEmbedding):
         self.dims = dims
 
     def __call__(self, ids: mx.array) -> mx.array:
-        return unpad_output(super().__call__(ids), self.subblock)
+        # mx.dequantize computes in the scales' dtype: float16 scales (exact as stored) would
+        # round the rows to float16, so the gathered scales are upcast first (cheap: [..., H/32]).
+        s, b = self["scales"][ids], self["biases"][ids]
+        if s.dtype != mx.float32:
+            s, b = s.astype(mx.float32), b.astype(mx.float32)
+        w = mx.dequantize(self["weight"][ids], s, b, group_size=self.group_size, bits=self.bits)
+        return unpad_output(w, self.subblock)
 
     def as_linear(self, x: mx.array) -> mx.array:
         """x @ E^T: the tied output head."""

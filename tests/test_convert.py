@@ -94,3 +94,20 @@ def test_cli_convert_verify_force(tmp_path, tiny_gguf, capsys):
     assert json.loads((out / "config.json").read_text())["mlx_dgemma"]["weights"] == "compact"
     assert main(["verify", str(out), str(tiny_gguf)]) == 1
     assert [p.name for p in tmp_path.iterdir()] == ["cli"]
+
+
+def test_gguf_loads_in_memory_like_the_converted_directory(all_types_gguf, all_types_model_dir):
+    from mlx_dgemma import load
+
+    a, tok_a = load(all_types_gguf)
+    b, tok_b = load(all_types_model_dir)
+    prompt = mx.array([list(range(5, 30))], dtype=mx.int32)
+    canvas = mx.array([list(range(100, 132))], dtype=mx.int32)
+    outs = []
+    for m in (a, b):
+        cache = m.make_cache()
+        m.prefill(prompt, cache)
+        outs.append(np.array(m.denoise(canvas, cache)))
+    assert np.array_equal(outs[0], outs[1])
+    assert tok_a.encode("Hello <|turn>") == tok_b.encode("Hello <|turn>")
+    assert a.generation_config == b.generation_config

@@ -71,3 +71,11 @@ def test_logits_match_reference(pair, prompt_len, blocks, with_sc):
     errs = run_case(pair, prompt_len, blocks, with_sc)
     print(f"parity prompt={prompt_len} blocks={blocks} sc={with_sc}: max rel err {max(errs):.2e} {errs}")
     assert max(errs) <= TOL
+
+
+def test_every_ggml_type_matches_reference(all_types_gguf, all_types_model_dir):
+    """Q2_K/Q3_K/Q6_K (padded sub-blocks), Q4_K/Q5_K, legacy types, F16 and BF16 in the forward pass."""
+    model, _ = load_dir(all_types_model_dir)
+    errs = run_case((model, hf_model_from_gguf(all_types_gguf)), prompt_len=20, blocks=2, with_sc=True, seed=5)
+    print(f"parity all ggml types: max rel err {max(errs):.2e}")
+    assert max(errs) <= TOL

@@ -1,0 +1,40 @@
+"""The benchmark's own machinery on the tiny config (no peers: they are timed in RESULTS.md)."""
+
+import argparse
+import json
+
+from mlx_dgemma.bench import CONFIGS, add_args, main, step_flops
+from mlx_dgemma.model import ModelArgs
+
+
+def test_bench_runs_and_writes_json(tmp_path, capsys):
+    p = argparse.ArgumentParser()
+    add_args(p)
+    out = tmp_path / "bench.json"
+    args = p.parse_args(["--configs", "tiny", "--canvas", "16", "--prompt-len", "32", "--steps", "1", "--warmup", "0",
+                         "--peers", "none", "--extras", "moe,sc", "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    assert main(args) == 0
+    res = json.loads(out.read_text())
+    entry = res["configs"]["tiny (canvas 16)"]
+    ours = entry["rows"][0]
+    assert ours["impl"] == "mlx-dgemma" and ours["seconds_per_step"] > 0 and ours["peak_rss_bytes"] > 0
+    assert 0 < ours["fraction_of_dense_matmul"] < 10
+    assert "gather_qmm sorted (ours)" in entry["moe"]
+    assert entry["sc_top_k"][0]["sc_top_k"] is None and entry["sc_top_k"][0]["max_rel_logit_error"] == 0.0
+    assert "GFLOP/step" in capsys.readouterr().out
+
+
+def test_step_flops_of_the_published_shapes():
+    # One step of the full 30-layer model: ~1.95 TFLOP of layers + ~0.38 each for head and SC
+    # (the figures in the reference notes), with 1000 cached tokens.
+    cfg = dict(CONFIGS["real-shapes"])
+    args = ModelArgs(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"], num_hidden_layers=30,
+                     num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256,
+                     global_head_dim=512, layer_types=["sliding_attention"] * 5 * 5 + ["full_attention"] * 5,
+                     sliding_window=1024, rope_parameters={}, vocab_size=262144, num_experts=128, top_k_experts=8,
+                     moe_intermediate_size=704)
+    head = 2 * 256 * 2816 * 262144
+    total = step_flops(args, 256, 1000)
+    layers = total - 2 * head - 2 * 256 * 3 * 2816 * 2112
+    assert 1.7e12 < layers < 2.3e12
+    assert abs(head - 0.378e12) < 0.01e12
