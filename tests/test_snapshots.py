@@ -8,9 +8,8 @@ import pytest
 pytest.importorskip("pytest_textual_snapshot", reason="pytest-textual-snapshot not installed")
 
 from mlx_dgemma.tui.app import DGemmaApp  # noqa: E402
-from mlx_dgemma.tui.screens.chat import ChatScreen  # noqa: E402
 
-from .test_tui import send, wait_for  # noqa: E402
+from .test_tui import ask, wait_for  # noqa: E402
 from .tui_fakes import ScriptedBackend  # noqa: E402
 
 SIZE = (130, 36)
@@ -29,10 +28,7 @@ def test_main_screen_after_an_answer(snap_compare):
     backend = ScriptedBackend(steps=4, blocks=2)
 
     async def run_before(pilot):
-        app = pilot.app
-        await wait_for(pilot, lambda: backend.loaded)
-        await send(pilot, "Why is the sky blue?")
-        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen._last_done is not None)
+        await ask(pilot, backend, "Why is the sky blue?")
         await pilot.pause(0.2)
         await settle(pilot)
         await pilot.pause()
@@ -44,10 +40,7 @@ def test_replay_view(snap_compare):
     backend = ScriptedBackend(steps=4, blocks=2)
 
     async def run_before(pilot):
-        app = pilot.app
-        await wait_for(pilot, lambda: backend.loaded)
-        await send(pilot, "q")
-        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen._last_done is not None)
+        await ask(pilot, backend, "q")
         for _ in range(5):
             await pilot.press("ctrl+b")
         await settle(pilot)

@@ -47,6 +47,13 @@ def done(app):
     return isinstance(s, ChatScreen) and s._last_done is not None and not s.busy
 
 
+async def ask(pilot, backend, text="q"):
+    """Wait for the model, send ``text`` and wait until the answer is done."""
+    await wait_for(pilot, lambda: backend.loaded)
+    await send(pilot, text)
+    await wait_for(pilot, lambda: done(pilot.app))
+
+
 async def test_prompt_fills_canvas_step_by_step_and_answers():
     backend = ScriptedBackend(steps=6, blocks=2, delay=0.1)
     app = DGemmaApp(backend)
@@ -97,9 +104,7 @@ async def test_replay_moves_through_steps():
     backend = ScriptedBackend(steps=4, blocks=2)
     app = DGemmaApp(backend)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: backend.loaded)
-        await send(pilot, "q")
-        await wait_for(pilot, lambda: done(app))
+        await ask(pilot, backend)
         s = screen(app)
         view = s.query_one(CanvasView)
         await pilot.press("ctrl+b")
@@ -116,9 +121,7 @@ async def test_export_writes_json_lines(tmp_path):
     backend = ScriptedBackend(steps=3, blocks=2)
     app = DGemmaApp(backend, trace_dir=tmp_path)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: backend.loaded)
-        await send(pilot, "q")
-        await wait_for(pilot, lambda: done(app))
+        await ask(pilot, backend)
         await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: app.last_export is not None)
     lines = app.last_export.read_text().splitlines()
@@ -156,9 +159,7 @@ async def test_new_chat_resets():
     backend = ScriptedBackend(steps=2, blocks=1)
     app = DGemmaApp(backend)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: backend.loaded)
-        await send(pilot, "q")
-        await wait_for(pilot, lambda: done(app))
+        await ask(pilot, backend)
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: backend.resets == 1)
         assert not screen(app).query(Answer) and screen(app).trace.blocks == []
