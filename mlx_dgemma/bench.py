@@ -48,9 +48,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=512, help="tokens in the cache before the canvas")
     p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--precisions", default="exact,fast",
+                   help="runtime precisions of ours to measure, side by side (exact, fast)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="activation dtype of fast (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--peers", default="mlx-vlm,mlx-vlm-q4,hf", help="comma-separated peers, or 'none'")
-    p.add_argument("--extras", default="breakdown,moe,sc,compact",
-                   help="comma-separated extra studies: breakdown, moe, sc, compact (or 'none')")
+    p.add_argument("--extras", default="breakdown,quality,moe,sc,compact",
+                   help="comma-separated extra studies: breakdown, quality, moe, sc, compact (or 'none')")
+    p.add_argument("--child-timeout", type=float, default=3600,
+                   help="seconds one isolated measurement may take before it is reported as timed out")
     p.add_argument("--no-eager", action="store_true", help="skip the eager (uncompiled) step measurements")
     p.add_argument("--workdir", default=".bench-cache", help="where the random models are written (reused)")
     p.add_argument("--json", default="bench.json", help="write the results here")
@@ -90,9 +96,23 @@ def _sync_time(fn: Callable[[], Any], warmup: int, steps: int) -> list[float]:
     return times
 
 
-def _child(conn, fn_name: str, kwargs: dict) -> None:
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _child(conn, fn_name: str, kwargs: dict, timeout: float) -> None:
+    import faulthandler
+
+    # where a measurement that is about to be killed for its time is stuck (stderr)
+    faulthandler.dump_traceback_later(max(1.0, timeout - 5), exit=False)
     try:
-        res = globals()[fn_name](**kwargs)
+        if ":" in fn_name:  # "module:function", e.g. from tests
+            import importlib
+
+            mod, _, name = fn_name.partition(":")
+            res = getattr(importlib.import_module(mod), name)(**kwargs)
+        else:
+            res = globals()[fn_name](**kwargs)
         from .generation import peak_rss_bytes
 
         mlx_peak = int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else 0
@@ -108,15 +128,40 @@ def _child(conn, fn_name: str, kwargs: dict) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def isolated(fn_name: str, **kwargs) -> dict:
-    """Run one measurement in a fresh process: clean peak memory, no interference."""
+CHILD_TIMEOUT = 3600.0
+
+
+def isolated(fn_name: str, timeout: float | None = None, **kwargs) -> dict:
+    """Run one measurement in a fresh process: clean peak memory, no interference.
+
+    Polls the child: one that dies without reporting (a segfault, the OOM killer, a CUDA
+    abort) is reported as such at once, and one that outlives ``timeout`` is killed, instead
+    of the parent waiting for a message that never comes.
+    """
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child, args=(child, fn_name, kwargs))
+    timeout = timeout or CHILD_TIMEOUT
+    proc = ctx.Process(target=_child, args=(child, fn_name, kwargs, timeout))
     proc.start()
-    status, res = parent.recv() if parent.poll(7200) else ("error", "timed out")
+    child.close()  # the parent's copy: EOF on the pipe once the child is gone
+    deadline = time.monotonic() + timeout
+    status, res = "error", "timed out"
+    while time.monotonic() < deadline:
+        if parent.poll(1.0):
+            try:
+                status, res = parent.recv()
+            except EOFError:
+                proc.join(5)
+                status, res = "error", f"the measuring process died (exit code {proc.exitcode})"
+            break
+        if not proc.is_alive():
+            proc.join()
+            status, res = "error", f"the measuring process died (exit code {proc.exitcode})"
+            break
+    if proc.is_alive():
+        proc.kill()
     proc.join()
     if status == "ok":
         return res
@@ -168,14 +213,19 @@ def _inputs(a, canvas: int, prompt_len: int, seed: int = 0):
 
 
 def measure_ours(model_dir: str, prompt_len: int, warmup: int, steps: int, sc_top_k: int | None = None,
-                 label: str = "mlx-dgemma", eager: bool = False) -> dict:
+                 label: str | None = None, eager: bool = False, precision: str = "exact",
+                 dtype: str | None = None) -> dict:
     """Decoder pass alone (eager), and the whole step (decoder + sampler + stop rule) eager and
     compiled. The compiled whole step is the headline figure (it is what generation runs)."""
     from .api import load
     from .sampler import SamplerParams
     from .step import StepFunction
 
-    model, _ = load(model_dir)
+    t_load = time.perf_counter()
+    model, _ = load(model_dir, precision=precision, dtype=dtype)
+    load_s = time.perf_counter() - t_load
+    label = label or f"mlx-dgemma {model.precision.label}"
+    _log(f"{label}: loaded in {load_s:.1f} s")
     a = model.args
     C = a.canvas_length
     prompt, canvas = _inputs(a, C, prompt_len)
@@ -185,6 +235,7 @@ def measure_ours(model_dir: str, prompt_len: int, warmup: int, steps: int, sc_to
     prefill_s = time.perf_counter() - t0
     sc = model.denoise(canvas, cache)
     mx.eval(sc)
+    _log(f"{label}: eager decoder pass done")
     p = SamplerParams(sc_top_k=sc_top_k)
     key = mx.random.key(0)
 
@@ -195,8 +246,15 @@ def measure_ours(model_dir: str, prompt_len: int, warmup: int, steps: int, sc_to
         hist = fn.initial_history((1, C))
         return lambda: list(fn(canvas, sc, 0.6, key, hist, cache).values())
 
-    compiled = _sync_time(whole(StepFunction(model, p, compile=True)), warmup + 1, steps)
-    res: dict[str, Any] = {"impl": label, "seconds_per_step": statistics.median(compiled)}
+    step_c = whole(StepFunction(model, p, compile=True))
+    t_first = time.perf_counter()
+    mx.eval(step_c())  # tracing + kernel compilation (minutes on a cold CUDA backend): reported apart
+    first_step_s = time.perf_counter() - t_first
+    _log(f"{label}: prefill {prefill_s:.1f} s, first compiled step {first_step_s:.1f} s")
+    compiled = _sync_time(step_c, warmup, steps)
+    res: dict[str, Any] = {"impl": label, "precision": model.precision.name, "dtype": model.precision.dtype_name,
+                           "seconds_per_step": statistics.median(compiled), "load_seconds": load_s,
+                           "first_step_seconds": first_step_s}
     if eager:  # before/after: the same step without mx.compile, and the decoder pass alone
         res["seconds_per_step_eager"] = statistics.median(
             _sync_time(whole(StepFunction(model, p, compile=False)), warmup, steps))
@@ -272,18 +330,20 @@ def measure_hf(gguf: Path, prompt_len: int, warmup: int, steps: int) -> dict:
 # studies
 
 
-def breakdown(model_dir: Path, prompt_len: int, steps: int) -> dict[str, float]:
+def breakdown(model_dir: Path, prompt_len: int, steps: int, precision: str = "exact",
+              dtype: str | None = None) -> dict[str, float]:
     """Seconds of each part of a step, each timed alone with the step's shapes."""
     from .api import load
     from .sampler import sample_step
 
-    model, _ = load(model_dir)
+    model, _ = load(model_dir, precision=precision, dtype=dtype)
     a = model.args
+    dt = model.activation_dtype
     C = a.canvas_length
     prompt, canvas = _inputs(a, C, prompt_len)
     cache = model.make_cache()
     model.prefill(prompt, cache)
-    h = mx.random.normal((1, C, a.hidden_size)) * 0.5
+    h = (mx.random.normal((1, C, a.hidden_size)) * 0.5).astype(dt)
     logits = model.denoise(canvas, cache)
     mx.eval(h, logits)
     parts: dict[str, float] = {"attention": 0.0, "dense MLP": 0.0, "router + MoE": 0.0}
@@ -302,10 +362,63 @@ def breakdown(model_dir: Path, prompt_len: int, steps: int) -> dict[str, float]:
         parts["router + MoE"] += statistics.median(_sync_time(moe, 1, steps))
     parts["output head"] = statistics.median(_sync_time(lambda: model.logits(h), 1, steps))
     parts["self-conditioning"] = statistics.median(_sync_time(
-        lambda: model.self_conditioning(h, model.soft_embeddings(logits, mx.float32)), 1, steps))
+        lambda: model.self_conditioning(h, model.soft_embeddings(logits, dt)), 1, steps))
     parts["sampler"] = statistics.median(_sync_time(
         lambda: list(sample_step(logits, 0.6, 0.1, a.vocab_size, mx.random.key(0)).values()), 1, steps))
     return parts
+
+
+def quality(model_dir: Path, prompt_len: int, dtype: str | None = None, prompts: int = 3,
+            gen_steps: int = 12) -> dict[str, Any]:
+    """fast vs exact on the same weights and inputs: per-step logit error and top-1 agreement
+    (step 1 without and a step with self-conditioning), and over whole generations with the
+    same seed, the share of blocks where both commit the same tokens."""
+    from .api import load
+
+    exact, tok = load(model_dir, precision="exact")
+    fast, _ = load(model_dir, precision="fast", dtype=dtype)
+    return {"fast": fast.precision.label, **logit_agreement(exact, fast, prompt_len),
+            **block_agreement(exact, fast, tok, prompts, gen_steps)}
+
+
+def logit_agreement(exact, fast, prompt_len: int, seed: int = 0) -> dict[str, float]:
+    """Max relative logit error and top-1 agreement of ``fast`` against ``exact``."""
+    a = exact.args
+    prompt, canvas = _inputs(a, a.canvas_length, prompt_len, seed)
+    out: dict[str, float] = {}
+    ce, cf = exact.make_cache(), fast.make_cache()
+    exact.prefill(prompt, ce)
+    fast.prefill(prompt, cf)
+    e1, f1 = exact.denoise(canvas, ce), fast.denoise(canvas, cf)
+    sc = e1 / 0.6  # the next step's self-conditioning input, the same for both
+    e2, f2 = exact.denoise(canvas, ce, sc), fast.denoise(canvas, cf, sc)
+    for name, e, f in (("step", e1, f1), ("sc_step", e2, f2)):
+        e, f = np.array(e.astype(mx.float32)), np.array(f.astype(mx.float32))
+        out[f"{name}_max_rel_logit_error"] = float(np.abs(f - e).max() / np.abs(e).max())
+        out[f"{name}_top1_agreement"] = float((f.argmax(-1) == e.argmax(-1)).mean())
+    return out
+
+
+def block_agreement(exact, fast, tokenizer, prompts: int = 3, gen_steps: int = 12) -> dict[str, Any]:
+    """Whole generations, same seeds: share of committed blocks identical in both."""
+    from .generation import BlockEvent, stream_generate
+
+    texts = ["Why is the sky blue?", "Write a short poem about rivers.", "List three prime numbers.",
+             "What is diffusion?", "Tell me about the moon."][:prompts]
+    same = total = 0
+    for i, text in enumerate(texts):
+        blocks = []
+        for m in (exact, fast):
+            evs = stream_generate(m, tokenizer, text, generation_config=getattr(m, "generation_config", None),
+                                  seed=i, max_denoising_steps=gen_steps, max_new_tokens=2 * m.args.canvas_length)
+            blocks.append([ev.tokens for ev in evs if isinstance(ev, BlockEvent)])
+        for be, bf in zip(*blocks):
+            total += 1
+            same += be == bf
+            if be != bf:  # later blocks are conditioned on different text
+                break
+    return {"blocks_compared": total, "blocks_identical": same,
+            "block_agreement": same / total if total else float("nan")}
 
 
 def moe_alternatives(model_dir: Path, steps: int) -> dict[str, float]:
@@ -313,7 +426,7 @@ def moe_alternatives(model_dir: Path, steps: int) -> dict[str, float]:
     from .api import load
     from .model import _gelu
 
-    model, _ = load(model_dir)
+    model, _ = load(model_dir, precision="exact")
     a = model.args
     C = a.canvas_length
     layer = model.layers[0]
@@ -358,7 +471,7 @@ def moe_alternatives(model_dir: Path, steps: int) -> dict[str, float]:
 def sc_top_k_study(model_dir: Path, prompt_len: int, steps: int, ks=(64, 16)) -> list[dict]:
     from .api import load
 
-    model, _ = load(model_dir)
+    model, _ = load(model_dir, precision="exact")
     a = model.args
     prompt, canvas = _inputs(a, a.canvas_length, prompt_len)
     cache = model.make_cache()
@@ -416,6 +529,11 @@ def run(args: argparse.Namespace) -> dict:
         raise ParameterError(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS)}")
     peers = [] if args.peers == "none" else [p.strip() for p in args.peers.split(",")]
     extras = [] if args.extras == "none" else [e.strip() for e in args.extras.split(",")]
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if not precisions or any(p not in ("exact", "fast") for p in precisions):
+        from .errors import ParameterError
+
+        raise ParameterError(f"--precisions: {args.precisions!r}; give a comma-separated list of exact, fast")
     work = Path(args.workdir)
     result: dict[str, Any] = {"machine": machine(), "dense_matmul_gflops": {}, "configs": {}}
     for dt_name, dt in (("float32", mx.float32), ("bfloat16", mx.bfloat16)):
@@ -424,32 +542,47 @@ def run(args: argparse.Namespace) -> dict:
         print(f"[bench] {name}: building the random model", file=sys.stderr)
         gguf, model_dir = build(name, work, args.canvas)
         entry: dict[str, Any] = {"rows": []}
-        print(f"[bench] {name}: mlx-dgemma", file=sys.stderr)
-        ours = isolated("measure_ours", model_dir=str(model_dir), prompt_len=args.prompt_len, warmup=args.warmup,
-                        steps=args.steps, eager=not args.no_eager)
-        if "skipped" in ours:
-            raise RuntimeError(f"mlx-dgemma failed in the benchmark: {ours['skipped']}")
-        ours["achieved_gflops"] = ours["flops_per_step"] / ours["seconds_per_step"] / 1e9
-        ours["fraction_of_dense_matmul"] = ours["achieved_gflops"] / result["dense_matmul_gflops"]["float32"]
-        entry["rows"].append(ours)
+        ours_rows = []
+        for prec in precisions:
+            print(f"[bench] {name}: mlx-dgemma {prec}", file=sys.stderr)
+            ours = isolated("measure_ours", timeout=args.child_timeout, model_dir=str(model_dir),
+                            prompt_len=args.prompt_len, warmup=args.warmup, steps=args.steps,
+                            eager=not args.no_eager, precision=prec, dtype=args.dtype, label=None)
+            if "skipped" in ours:  # reported in the table; the peers are still measured
+                ours["impl"] = f"mlx-dgemma {prec}"
+                entry["rows"].append(ours)
+                continue
+            ours["achieved_gflops"] = ours["flops_per_step"] / ours["seconds_per_step"] / 1e9
+            dense = result["dense_matmul_gflops"].get(ours["dtype"], result["dense_matmul_gflops"]["float32"])
+            ours["fraction_of_dense_matmul"] = ours["achieved_gflops"] / dense
+            ours["vs"] = {}
+            entry["rows"].append(ours)
+            ours_rows.append(ours)
         for peer in peers:
             print(f"[bench] {name}: {peer}", file=sys.stderr)
             common = dict(gguf=str(gguf), prompt_len=args.prompt_len, warmup=args.warmup, steps=args.steps)
             if peer in ("mlx-vlm", "mlx-vlm-q4"):
-                row = isolated("measure_mlx_vlm", quantized=peer == "mlx-vlm-q4", **common)
+                row = isolated("measure_mlx_vlm", timeout=args.child_timeout, quantized=peer == "mlx-vlm-q4",
+                               **common)
             elif peer == "hf":
-                row = isolated("measure_hf", **common)
+                row = isolated("measure_hf", timeout=args.child_timeout, **common)
             else:
                 from .errors import ParameterError
 
                 raise ParameterError(f"--peers: unknown peer {peer!r}; choose from mlx-vlm, mlx-vlm-q4, hf")
             if "seconds_per_step" in row:
-                row["ours_vs_peer"] = ours["seconds_per_step"] / row["seconds_per_step"]
+                for ours in ours_rows:
+                    ours["vs"][row["impl"]] = ours["seconds_per_step"] / row["seconds_per_step"]
             entry["rows"].append(row)
             gc.collect()
         if "breakdown" in extras:
-            entry["breakdown"] = isolated("breakdown", model_dir=str(model_dir), prompt_len=args.prompt_len,
-                                          steps=args.steps)
+            entry["breakdown"] = {prec: isolated("breakdown", timeout=args.child_timeout, model_dir=str(model_dir),
+                                                 prompt_len=args.prompt_len, steps=args.steps, precision=prec,
+                                                 dtype=args.dtype)
+                                  for prec in precisions}
+        if "quality" in extras:
+            entry["quality"] = isolated("quality", timeout=args.child_timeout, model_dir=str(model_dir),
+                                        prompt_len=args.prompt_len, dtype=args.dtype)
         if "moe" in extras:
             entry["moe"] = isolated("moe_alternatives", model_dir=str(model_dir), steps=args.steps)
         if "sc" in extras:
@@ -466,27 +599,41 @@ def table(result: dict) -> str:
              "MLX dense matmul: " + ", ".join(f"{k} {v:.2f} GFLOP/s" for k, v in result["dense_matmul_gflops"].items())]
     for name, entry in result["configs"].items():
         lines += ["", f"## {name}",
-                  f"{'implementation':<36} {'s/step':>9} {'ours/peer':>9} {'prefill tok/s':>13} {'peak RSS GB':>11}"]
+                  f"{'implementation':<36} {'ms/step':>9} {'prefill tok/s':>13} {'peak RSS GB':>11} {'MLX peak GB':>11}"]
         for r in entry["rows"]:
             if "skipped" in r:
                 lines.append(f"{r['impl']:<36} skipped: {r['skipped']}")
                 continue
-            ratio = f"{r['ours_vs_peer']:.2f}" if "ours_vs_peer" in r else "-"
             peak = f"{r['peak_rss_bytes'] / 1e9:.2f}" if r.get("peak_rss_bytes") else "-"
-            lines.append(f"{r['impl']:<36} {r['seconds_per_step']:>9.3f} {ratio:>9} "
-                         f"{r['prefill_tokens_per_second']:>13.1f} {peak:>11}")
-        ours = entry["rows"][0]
-        lines.append(f"ours: {ours['flops_per_step'] / 1e9:.1f} GFLOP/step -> {ours['achieved_gflops']:.2f} GFLOP/s = "
-                     f"{ours['fraction_of_dense_matmul']:.0%} of MLX dense f32 matmul")
-        if "seconds_per_step_eager" in ours:
-            lines.append(f"step: compiled {ours['seconds_per_step']:.3f} s, eager {ours['seconds_per_step_eager']:.3f} s"
-                         f" (decoder pass alone {ours['seconds_decoder_only']:.3f} s)")
-        for study in ("breakdown", "moe", "sc_top_k"):
+            mpeak = f"{r['mlx_peak_bytes'] / 1e9:.2f}" if r.get("mlx_peak_bytes") else "-"
+            lines.append(f"{r['impl']:<36} {r['seconds_per_step'] * 1e3:>9.1f} "
+                         f"{r['prefill_tokens_per_second']:>13.1f} {peak:>11} {mpeak:>11}")
+        for ours in (r for r in entry["rows"] if "vs" in r):
+            if ours["vs"]:
+                lines.append(f"{ours['impl']}: " + ", ".join(f"{v:.2f}x {k}" for k, v in ours["vs"].items()))
+            lines.append(f"  {ours['flops_per_step'] / 1e9:.1f} GFLOP/step -> {ours['achieved_gflops']:.1f} GFLOP/s = "
+                         f"{ours['fraction_of_dense_matmul']:.0%} of MLX dense {ours['dtype']} matmul; load "
+                         f"{ours['load_seconds']:.1f} s, first step {ours['first_step_seconds']:.1f} s")
+            if "seconds_per_step_eager" in ours:
+                lines.append(f"  step: compiled {ours['seconds_per_step'] * 1e3:.1f} ms, eager "
+                             f"{ours['seconds_per_step_eager'] * 1e3:.1f} ms "
+                             f"(decoder pass alone {ours['seconds_decoder_only'] * 1e3:.1f} ms)")
+        q = entry.get("quality")
+        if q and "skipped" not in q:
+            lines.append(f"quality, {q['fast']} vs exact: max rel logit error {q['step_max_rel_logit_error']:.2e} "
+                         f"(step 1), {q['sc_step_max_rel_logit_error']:.2e} (self-conditioned); top-1 agreement "
+                         f"{q['step_top1_agreement']:.1%} / {q['sc_step_top1_agreement']:.1%}; identical blocks "
+                         f"{q['blocks_identical']}/{q['blocks_compared']}")
+        elif q:
+            lines.append(f"quality: skipped ({q['skipped']})")
+        for study in ("moe", "sc_top_k"):
             if isinstance(entry.get(study), dict) and "skipped" in entry[study]:
                 lines.append(f"{study}: skipped ({entry.pop(study)['skipped']})")
-        if "breakdown" in entry:
-            total = sum(entry["breakdown"].values())
-            lines.append("breakdown: " + ", ".join(f"{k} {v / total:.0%}" for k, v in entry["breakdown"].items()))
+        for prec, parts in entry.get("breakdown", {}).items():
+            if "skipped" in parts:
+                lines.append(f"breakdown ({prec}): skipped ({parts['skipped']})")
+                continue
+            lines.append(f"breakdown ({prec}, ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
         if "moe" in entry:
             lines.append("MoE (one layer): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in entry["moe"].items()))
         if "sc_top_k" in entry:

@@ -23,37 +23,46 @@ def add_sampler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, help="make the run reproducible")
 
 
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    """``--precision`` and ``--dtype``: the runtime precision (see mlx_dgemma.precision)."""
+    p.add_argument("--precision", choices=("auto", "exact", "fast"), default="auto",
+                   help="runtime precision: exact = float32 and bit-exact weights; fast = bfloat16 on a GPU "
+                        "(float32 on the CPU), scales in that dtype, 16-element sub-blocks re-quantized to "
+                        "8 bits; auto (default) = fast. Files on disk are exact either way")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="activation dtype of fast precision (default: bfloat16 on a GPU, float32 on the CPU)")
+
+
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("max_new_tokens", "max_denoising_steps", "t_min", "t_max", "entropy_bound",
             "stability_threshold", "confidence_threshold", "sc_top_k", "seed")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
-def load_for_cli(model: str | None, demo: bool, dtype: str = "float32"):
+def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precision: str = "auto"):
     """(model, tokenizer) from --model or --demo, with loading progress on stderr."""
-    import mlx.core as mx
-
     from .errors import ParameterError
+    from .precision import resolve_precision
     from .progress import ProgressBar
 
-    dt = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype]
+    prec = resolve_precision(precision, dtype)  # a contradiction is an error before any loading
     if demo:
         from .demo import load_demo
 
-        return load_demo(dtype=dt)
+        return load_demo(precision=prec)
     if not model:
         raise ParameterError("--model: not given; pass a converted directory or a .gguf file "
                              "(or --demo for the built-in random model)")
     from .api import load
 
     bar = ProgressBar("loading", unit="tensors", scale=1)
-    return load(model, dtype=dt, progress=lambda i, n, name: bar.update(i, n, name))
+    return load(model, precision=prec, progress=lambda i, n, name: bar.update(i, n, name))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .generation import BlockEvent, DoneEvent, PrefillEvent, StepEvent, stream_generate
 
-    model, tokenizer = load_for_cli(args.model, args.demo, args.dtype)
+    model, tokenizer = load_for_cli(args.model, args.demo, args.dtype, args.precision)
     overrides = sampler_overrides(args)
     gen_cfg = getattr(model, "generation_config", None)
     printed = 0
@@ -88,14 +97,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                "steps": done.steps, "steps_per_block": list(done.steps_per_block),
                "seconds_per_step": round(done.seconds_per_step, 4),
                "tokens_per_forward": round(done.tokens_per_forward, 3),
-               "peak_memory_gb": round(done.peak_memory_bytes / 1e9, 3)}
+               "peak_memory_gb": round(done.peak_memory_bytes / 1e9, 3), "precision": done.precision}
     if args.json:
         print(json.dumps({"text": done.text, "thinking": done.thinking, "tokens": list(done.tokens), **summary}))
     else:
         print()
         print(f"[done] {done.finish_reason}; {done.steps} steps {list(done.steps_per_block)}, "
               f"{done.seconds_per_step:.3f} s/step, {done.tokens_per_forward:.2f} tokens/forward, "
-              f"prefill {done.prefill_tokens_per_second:.1f} tok/s, peak {done.peak_memory_bytes / 1e9:.2f} GB",
+              f"prefill {done.prefill_tokens_per_second:.1f} tok/s, peak {done.peak_memory_bytes / 1e9:.2f} GB, "
+              f"{done.precision}",
               file=sys.stderr)
     return 0
 
@@ -103,7 +113,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_chat(args: argparse.Namespace) -> int:
     from .tui.app import run_app
 
-    return run_app(model=args.model, demo=args.demo, dtype=args.dtype)
+    from .precision import resolve_precision
+
+    resolve_precision(args.precision, args.dtype)  # a contradiction is an error before the app starts
+    return run_app(model=args.model, demo=args.demo, dtype=args.dtype, precision=args.precision)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -123,14 +136,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--show-drafts", action="store_true", help="print each step's draft to stderr")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--trace", metavar="FILE", help="write every denoising step as JSON lines to FILE")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    add_precision_args(g)
     add_sampler_args(g)
     g.set_defaults(func=_cmd_generate)
 
     c = sub.add_parser("chat", help="interactive terminal chat that shows the canvas denoising")
     c.add_argument("--model", help="converted directory or .gguf file")
     c.add_argument("--demo", action="store_true", help=DEMO_HELP)
-    c.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    add_precision_args(c)
     c.set_defaults(func=_cmd_chat)
 
     b = sub.add_parser("bench", help="per-step speed and memory against mlx-vlm and transformers")

@@ -35,10 +35,10 @@ def ensure_demo_gguf() -> Path:
     return path
 
 
-def load_demo(dtype: mx.Dtype = mx.float32):
+def load_demo(dtype: mx.Dtype | str | None = None, precision: str = "auto"):
     """(model, tokenizer) of the demo model; ``model.is_demo`` is True."""
     from .api import load
 
-    model, tokenizer = load(ensure_demo_gguf(), dtype=dtype)
+    model, tokenizer = load(ensure_demo_gguf(), precision=precision, dtype=dtype)
     object.__setattr__(model, "is_demo", True)
     return model, tokenizer

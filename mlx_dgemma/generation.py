@@ -85,6 +85,7 @@ class DoneEvent:
     tokens_per_forward: float
     generation_seconds: float
     peak_memory_bytes: int
+    precision: str = ""  # the runtime precision that ran, e.g. "fast (bfloat16)"
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class BlockResult:
 
 
 def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, key: mx.array,
-                  dtype: mx.Dtype = mx.float32, block: int = 0, initial_canvas: mx.array | None = None,
+                  dtype: mx.Dtype | None = None, block: int = 0, initial_canvas: mx.array | None = None,
                   step_fn: StepFunction | None = None) -> Iterator[StepEvent | BlockResult]:
     """Denoise one canvas against ``cache``: yields a StepEvent per step, then a BlockResult.
 
@@ -135,6 +136,12 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
         if stopped:
             break
     yield BlockResult(np.array(argmax[0]).astype(np.int64).tolist(), i)
+
+
+def precision_label(model: DiffusionGemma) -> str:
+    """The model's runtime precision as shown to users ("fast (bfloat16)", "exact (float32)")."""
+    p = getattr(model, "precision", None)
+    return p.label if p is not None else "exact (float32)"
 
 
 def _peak_memory() -> int:
@@ -170,7 +177,7 @@ class ChatSession:
     """A conversation: the cache and the token history persist across turns."""
 
     def __init__(self, model: DiffusionGemma, tokenizer: Tokenizer, generation_config: dict | None = None,
-                 dtype: mx.Dtype = mx.float32, enable_thinking: bool = False, system: str | None = None):
+                 dtype: mx.Dtype | None = None, enable_thinking: bool = False, system: str | None = None):
         self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
         self.params = SamplerParams.from_config(generation_config)
         self.enable_thinking = enable_thinking
@@ -213,7 +220,7 @@ class ChatSession:
 
 
 def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | list[dict[str, str]] | list[int],
-                    *, generation_config: dict | None = None, dtype: mx.Dtype = mx.float32,
+                    *, generation_config: dict | None = None, dtype: mx.Dtype | None = None,
                     enable_thinking: bool = False, chat: bool = True,
                     cancel: Callable[[], bool] | None = None, **params: Any) -> Iterator[Event]:
     """Generate an answer; yields PrefillEvent, StepEvents, BlockEvents, then a DoneEvent.
@@ -298,7 +305,7 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
     yield DoneEvent(parsed.answer, parsed.thinking, tuple(out), reason, len(ids), prefill_s,
                     len(ids) / prefill_s if prefill_s > 0 else 0.0, steps, tuple(steps_per_block),
                     step_seconds / steps if steps else 0.0, valid / steps if steps else 0.0,
-                    time.perf_counter() - t_gen, _peak_memory())
+                    time.perf_counter() - t_gen, _peak_memory(), precision_label(model))
 
 
 def generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | list[dict[str, str]] | list[int],

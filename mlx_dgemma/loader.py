@@ -9,10 +9,10 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map_with_path
 
 from .errors import ModelFilesError
 from .model import DiffusionGemma, ModelArgs
+from .precision import Precision, apply_precision, resolve_precision
 from .quantized import quantize_modules
 
 REQUIRED_FILES = ("config.json", "tokenizer_gguf.json")
@@ -32,21 +32,8 @@ def _load_weights(model: nn.Module, weights: list[tuple[str, mx.array]], source:
         raise ModelFilesError(f"{source}: weights do not match config.json ({e}); convert the model again") from e
 
 
-def _cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
-    """Cast float parameters (norms, router, dense weights) to ``dtype``; quantization scales
-    keep their stored dtype so quantized weights stay exact."""
-    if dtype == mx.float32:
-        return
-
-    def cast(path: str, a: mx.array):
-        if path.endswith((".scales", ".biases")) or not mx.issubdtype(a.dtype, mx.floating):
-            return a
-        return a.astype(dtype)
-
-    model.update(tree_map_with_path(cast, model.parameters()))
-
-
-def load_dir(path: Path, dtype: mx.Dtype = mx.float32) -> tuple[DiffusionGemma, dict]:
+def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[DiffusionGemma, dict]:
+    """A converted directory, loaded exactly and then put in ``precision``'s runtime form."""
     for name in REQUIRED_FILES:
         if not (path / name).is_file():
             raise ModelFilesError(f"{path}: {name} is missing; give a directory written by "
@@ -63,12 +50,12 @@ def load_dir(path: Path, dtype: mx.Dtype = mx.float32) -> tuple[DiffusionGemma, 
     for f in shards:
         weights.extend(mx.load(str(f)).items())
     _load_weights(model, weights, str(path))
-    _cast_floats(model, dtype)
     mx.eval(model.parameters())
+    apply_precision(model, resolve_precision(precision))
     return model, config
 
 
-def load_gguf(path: Path, dtype: mx.Dtype = mx.float32, compact: bool = False,
+def load_gguf(path: Path, precision: Precision | str = "exact", compact: bool = False,
               progress: Callable[[int, int, str], None] | None = None) -> tuple[DiffusionGemma, dict, dict]:
     """Convert a GGUF in memory (same repack as ``convert``); returns model, config, tokenizer data."""
     from .convert.converter import model_config, model_metadata, open_gguf, tokenizer_payload
@@ -93,8 +80,9 @@ def load_gguf(path: Path, dtype: mx.Dtype = mx.float32, compact: bool = False,
     config = model_config(md, cfg, specs, compact, str(path))
     model = build_model(config)
     _load_weights(model, weights, str(path))
-    _cast_floats(model, dtype)
+    weights.clear()
     mx.eval(model.parameters())
+    apply_precision(model, resolve_precision(precision))
     side = {"generation_config": generation_config(md), "tokenizer": tokenizer_payload(reader)}
     if "tokenizer.chat_template" in reader.fields:
         from .convert.metadata import field_value

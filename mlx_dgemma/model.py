@@ -237,6 +237,9 @@ class DiffusionGemma(nn.Module):
         self.self_conditioning = SelfConditioning(args)
         self.rope_freqs = mx.ones((args.global_head_dim // 2,))
         self.embed_scale = math.sqrt(args.hidden_size)
+        # The activation dtype of prefill/denoise when none is passed: float32 (exact); the
+        # loader's runtime precision sets it (``mlx_dgemma.precision``). Not a parameter.
+        self.activation_dtype = mx.float32
 
     def _global_freqs(self) -> mx.array:
         """Wavelengths base^(2i/d) times llama.cpp's factors (1 = rotate, 1e30 = keep)."""
@@ -257,21 +260,23 @@ class DiffusionGemma(nn.Module):
             h = layer(h, cache[i], offset, encode, None if layer.self_attn.sliding else freqs)
         return h
 
-    def prefill(self, ids: mx.array, cache: KVCache, dtype: mx.Dtype = mx.float32) -> None:
+    def prefill(self, ids: mx.array, cache: KVCache, dtype: mx.Dtype | None = None) -> None:
         """Encoder pass: causal (windowed on sliding layers) over ``ids`` [B, P]; extends the cache."""
-        h = self.embed(ids, dtype)
+        h = self.embed(ids, dtype or self.activation_dtype)
         h = self._layers(h, cache, encode=True)
         cache.advance(ids.shape[1])
         mx.eval(cache.state())
 
     def denoise(self, canvas: mx.array, cache: KVCache, self_conditioning_logits: mx.array | None = None,
-                dtype: mx.Dtype = mx.float32, sc_top_k: int | None = None) -> mx.array:
+                dtype: mx.Dtype | None = None, sc_top_k: int | None = None) -> mx.array:
         """Decoder pass over ``canvas`` [B, C]: logits [B, C, V] (float32, after the softcap).
 
         The canvas attends to the whole cache window and to itself, bidirectionally; its
         positions continue after the cached length. The cache is only read. ``sc_top_k``
-        approximates self-conditioning with each position's k most likely tokens.
+        approximates self-conditioning with each position's k most likely tokens. ``dtype``
+        defaults to the model's ``activation_dtype`` (set by the runtime precision).
         """
+        dtype = dtype or self.activation_dtype
         h = self.embed(canvas, dtype)
         soft = None
         if self_conditioning_logits is not None:

@@ -22,9 +22,10 @@ OUTPUTS = ("canvas", "argmax", "accepted", "entropy", "processed", "stop", "hist
 class StepFunction:
     """``step(canvas, sc_logits | None, temperature, key, history, cache) -> dict`` of OUTPUTS."""
 
-    def __init__(self, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype = mx.float32,
+    def __init__(self, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype | None = None,
                  compile: bool = True):
-        self.model, self.params, self.dtype = model, params, dtype
+        self.model, self.params = model, params
+        self.dtype = dtype or getattr(model, "activation_dtype", mx.float32)  # the runtime precision's activations
         self.compiled = compile
         self._fns: dict[bool, Callable] = {}
         self._cache: KVCache | None = None

@@ -61,9 +61,10 @@ def configured_model() -> str | None:
     return os.environ.get("MLX_DGEMMA_MODEL") or None
 
 
-def run_app(model: str | None = None, demo: bool = False, dtype: str = "float32") -> int:
+def run_app(model: str | None = None, demo: bool = False, dtype: str | None = None,
+            precision: str = "auto") -> int:
     model = model or (None if demo else configured_model())
-    backend = ModelBackend(model=model, demo=demo, dtype=dtype) if (model or demo) else None
+    backend = ModelBackend(model=model, demo=demo, dtype=dtype, precision=precision) if (model or demo) else None
     if model and not Path(model).exists():
         from ..errors import ModelFilesError
 

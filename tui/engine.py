@@ -24,8 +24,9 @@ class Job:
 class ModelBackend:
     """The real model behind a :class:`mlx_dgemma.ChatSession`."""
 
-    def __init__(self, model: str | None = None, demo: bool = False, dtype: str = "float32"):
-        self.model_path, self.demo, self.dtype = model, demo, dtype
+    def __init__(self, model: str | None = None, demo: bool = False, dtype: str | None = None,
+                 precision: str = "auto"):
+        self.model_path, self.demo, self.dtype, self.precision = model, demo, dtype, precision
         self.session = None
         self.tokenizer = None
         self.generation_config: dict = {}
@@ -34,25 +35,25 @@ class ModelBackend:
         self.canvas_length = 0
 
     def load(self, progress: Callable[[str], None]) -> None:
-        import mlx.core as mx
-
         from ..generation import ChatSession
+        from ..precision import resolve_precision
 
-        dt = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[self.dtype]
+        prec = resolve_precision(self.precision, self.dtype)
         if self.demo:
             from ..demo import load_demo
 
             progress("building the demo model")
-            model, tok = load_demo(dtype=dt)
+            model, tok = load_demo(precision=prec)
         else:
             from ..api import load
 
-            model, tok = load(self.model_path, dtype=dt,
+            model, tok = load(self.model_path, precision=prec,
                               progress=lambda i, n, name: progress(f"loading {i}/{n} {name}"))
         self.tokenizer = tok
         self.generation_config = dict(getattr(model, "generation_config", {}) or {})
         self.canvas_length = model.args.canvas_length
-        self.session = ChatSession(model, tok, self.generation_config, dtype=dt)
+        self.precision_label = prec.label
+        self.session = ChatSession(model, tok, self.generation_config)
 
     def stream(self, prompt: str, cancel: Callable[[], bool], **params: Any) -> Iterator[Any]:
         yield from self.session.stream(prompt, cancel=cancel, **params)

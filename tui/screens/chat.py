@@ -137,14 +137,15 @@ class ChatScreen(Screen):
         self.query_one(StatusLine).show_step(
             ev, max(self._blocks_planned, len(self.trace.blocks)), spf,
             done.tokens_per_forward if done else None, self._prefill_tps, self.app.backend.memory_bytes(),
-            "replay: ctrl+b/ctrl+f" if self.cursor is not None else "")
+            "replay: ctrl+b/ctrl+f" if self.cursor is not None else "",
+            precision=getattr(self.app.backend, "precision_label", ""))
 
     def _show_summary(self, done: DoneEvent) -> None:
         self.query_one(StatusLine).update(
             f"{done.finish_reason}: {len(done.steps_per_block)} block(s), {done.steps} steps, "
             f"{done.seconds_per_step:.2f} s/step, {done.tokens_per_forward:.2f} tok/fwd, "
-            f"prefill {done.prefill_tokens_per_second:.0f} tok/s, peak {done.peak_memory_bytes / 1e9:.2f} GB  "
-            "(ctrl+b/ctrl+f replay, ctrl+t export)")
+            f"prefill {done.prefill_tokens_per_second:.0f} tok/s, peak {done.peak_memory_bytes / 1e9:.2f} GB"
+            f"{', ' + done.precision if done.precision else ''}  (ctrl+b/ctrl+f replay, ctrl+t export)")
 
     # user actions ---------------------------------------------------------------------------
 

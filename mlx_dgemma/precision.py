@@ -1,0 +1,159 @@
+"""Runtime precision: ``exact`` (bit-exact weights, float32 everywhere) or ``fast``.
+
+The converted files are always exact; precision is a choice made at load time, in memory:
+
+* ``exact``: float32 activations; every quantized weight's scales and biases as stored
+  (float32 for K-quants), padded 16-element sub-blocks kept, so each dequantized weight is
+  bit-identical to gguf-py's. What ``verify`` and the parity tests hold to.
+* ``fast``: activations in the device's fast dtype (bfloat16 on a GPU, float32 on MLX's CPU
+  backend, whose half-precision kernels are 10-40x slower than float32 ones); every quantized
+  weight's scales and biases cast to that dtype, so no quantized matmul is promoted back to
+  float32 (on a GPU, ``gather_qmm`` with float32 scales runs 4-6x slower); and the tensors with
+  16-element sub-blocks (Q2_K, Q3_K, Q6_K: the Q6_K embedding is the output head and the
+  self-conditioning matrix) re-quantized to unpadded 8-bit groups of 32, so the head and
+  self-conditioning do their multiply-adds once instead of over a zero-padded matrix twice as
+  wide. Approximate; the error against exact is measured (README, ``bench``) and bounded in
+  tests.
+* ``auto`` (the default): ``fast``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+
+from .errors import ParameterError
+
+PRECISIONS = ("auto", "exact", "fast")
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+# Re-quantization target for padded sub-block tensors in fast mode: 8 bits keeps Q6_K's
+# 6-bit values (and Q3_K's, Q2_K's) to within a fraction of their own step (see README's
+# fast-vs-exact table); 32 is MLX's smallest affine group.
+FAST_BITS = 8
+FAST_GROUP = 32
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A resolved runtime precision: ``name`` is "exact" or "fast", ``dtype`` the activations'."""
+
+    name: str
+    dtype: mx.Dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return next(k for k, v in DTYPES.items() if v == self.dtype)
+
+    @property
+    def label(self) -> str:
+        """For status lines and JSON: "fast (bfloat16)", "exact (float32)"."""
+        return f"{self.name} ({self.dtype_name})"
+
+
+def gpu_available() -> bool:
+    """True when MLX's default device is a GPU (Metal on a Mac, CUDA on Linux)."""
+    return mx.default_device() == mx.gpu
+
+
+def fast_dtype() -> mx.Dtype:
+    """The activation dtype ``fast`` uses on this machine."""
+    return mx.bfloat16 if gpu_available() else mx.float32
+
+
+def resolve_precision(precision: str | Precision | None = "auto", dtype: str | mx.Dtype | None = None) -> Precision:
+    """``precision`` (auto/exact/fast) and an optional activation ``dtype`` -> :class:`Precision`.
+
+    ``dtype`` only chooses the activation dtype of ``fast`` (default: :func:`fast_dtype`);
+    ``exact`` is float32 by definition, so ``exact`` with another dtype is an error rather than
+    a silent contradiction.
+    """
+    if isinstance(precision, Precision):
+        return precision
+    name = precision or "auto"
+    if name not in PRECISIONS:
+        raise ParameterError(f"--precision: {name!r} is not one of {', '.join(PRECISIONS)}")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ParameterError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    if name == "exact":
+        if dtype is not None and dtype != mx.float32:
+            raise ParameterError("--dtype: exact precision runs in float32; use --precision fast "
+                                 "for bfloat16/float16 activations")
+        return Precision("exact", mx.float32)
+    return Precision("fast", dtype if dtype is not None else fast_dtype())
+
+
+# --------------------------------------------------------------------------------------------
+# applying a precision to a loaded (exact) model
+
+
+def _is_quantized(m: nn.Module) -> bool:
+    return "scales" in m and hasattr(m, "bits") and hasattr(m, "subblock")
+
+
+def _requantize_unpadded(m: nn.Module, dtype: mx.Dtype) -> None:
+    """Padded sub-block weight -> unpadded ``FAST_BITS``-bit groups of ``FAST_GROUP``, in place.
+
+    Works in slices along the leading axis (experts or rows), so the float32 copy that exists
+    during the repack is a slice, not the whole tensor (the real embedding is 3 GB in float32).
+    """
+    from .quantized import unpad_output
+
+    w, s, b = m["weight"], m["scales"], m["biases"]
+    lead = w.shape[0]
+    step = max(1, (1 << 26) // max(1, w[0].size * 8))  # ~256 MB of float32 per slice
+    parts: list[tuple[mx.array, mx.array, mx.array]] = []
+    for i in range(0, lead, step):
+        full = mx.dequantize(w[i:i + step], s[i:i + step].astype(mx.float32), b[i:i + step].astype(mx.float32),
+                             group_size=m.group_size, bits=m.bits)
+        q, qs, qb = mx.quantize(unpad_output(full, m.subblock), group_size=FAST_GROUP, bits=FAST_BITS)
+        qs, qb = qs.astype(dtype), qb.astype(dtype)
+        mx.eval(q, qs, qb)
+        parts.append((q, qs, qb))
+    m.weight = mx.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+    m.scales = mx.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+    m.biases = mx.concatenate([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]
+    m.bits, m.group_size, m.subblock = FAST_BITS, FAST_GROUP, 32
+    mx.eval(m.weight, m.scales, m.biases)
+
+
+def apply_precision(model: nn.Module, precision: Precision) -> None:
+    """Turn an exactly loaded model into ``precision``'s runtime form, in memory.
+
+    ``exact`` changes nothing. ``fast`` re-quantizes padded sub-block tensors, casts every
+    quantized weight's scales and biases and every float parameter to ``precision.dtype``
+    (quantized weights' packed integers are untouched).
+    """
+    object.__setattr__(model, "precision", precision)
+    if precision.name == "exact":
+        return
+    dt = precision.dtype
+    model.activation_dtype = dt
+    for _, m in model.named_modules():
+        if not _is_quantized(m):
+            continue
+        if m.subblock != 32:
+            _requantize_unpadded(m, dt)
+        elif m["scales"].dtype != dt:
+            m.scales = m["scales"].astype(dt)
+            if m.get("biases") is not None:
+                m.biases = m["biases"].astype(dt)
+
+    def cast(path: str, a: mx.array) -> mx.array:
+        if mx.issubdtype(a.dtype, mx.floating) and a.dtype != dt:
+            return a.astype(dt)
+        return a
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+    mx.eval(model.parameters())
+
+
+def quantized_dtype_report(model: nn.Module) -> list[tuple[str, str, int, int]]:
+    """(module path, scales dtype, bits, sub-block) of every quantized layer (tests, bench)."""
+    return [(p, str(m["scales"].dtype).split(".")[-1], m.bits, m.subblock)
+            for p, m in model.named_modules() if _is_quantized(m)]
