@@ -12,13 +12,18 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     add_args(p)
     out = tmp_path / "bench.json"
     args = p.parse_args(["--configs", "tiny", "--canvas", "16", "--prompt-len", "32", "--steps", "1", "--warmup", "0",
-                         "--peers", "none", "--extras", "moe,sc", "--workdir", str(tmp_path / "w"), "--json", str(out)])
+                         "--peers", "none", "--extras", "moe,sc,quality", "--workdir", str(tmp_path / "w"), "--json", str(out)])
     assert main(args) == 0
     res = json.loads(out.read_text())
     entry = res["configs"]["tiny (canvas 16)"]
-    ours = entry["rows"][0]
-    assert ours["impl"] == "mlx-dgemma" and ours["seconds_per_step"] > 0 and ours["peak_rss_bytes"] > 0
-    assert 0 < ours["fraction_of_dense_matmul"] < 10
+    assert [r["precision"] for r in entry["rows"]] == ["exact", "fast"]  # side by side
+    for ours in entry["rows"]:
+        assert ours["impl"].startswith("mlx-dgemma " + ours["precision"])
+        assert ours["seconds_per_step"] > 0 and ours["peak_rss_bytes"] > 0
+        assert 0 < ours["fraction_of_dense_matmul"] < 10
+    q = entry["quality"]
+    assert 0 < q["step_max_rel_logit_error"] < 1 and 0.5 < q["step_top1_agreement"] <= 1
+    assert q["blocks_compared"] >= 1
     assert "gather_qmm sorted (ours)" in entry["moe"]
     assert entry["sc_top_k"][0]["sc_top_k"] is None and entry["sc_top_k"][0]["max_rel_logit_error"] == 0.0
     assert "GFLOP/step" in capsys.readouterr().out

@@ -168,3 +168,14 @@ def test_real_q6k_blocks_requantize_closely():
     rel_rms = float(np.sqrt(((r - w) ** 2).mean() / (w**2).mean()))
     # measured 0.0050 on this tensor; Q6_K's own quantization noise is several times that
     assert 0 < rel_rms < 0.01, rel_rms
+
+
+def test_exact_weights_stay_quantized(tiny_model_dir):
+    model, config = load_dir(tiny_model_dir)
+    params = dict(tree_flatten(model.parameters()))
+    for path, spec in config["quantization"].items():
+        if isinstance(spec, dict):
+            assert params[f"{path}.weight"].dtype == mx.uint32, path
+    stored = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    in_memory = sum(v.nbytes for v in params.values())
+    assert in_memory <= stored  # nothing expanded at load time
