@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from .errors import ModelFilesError
 from .model import DiffusionGemma
+from .paths import user_path
 from .tokenizer import Tokenizer
 
 
@@ -18,12 +19,14 @@ def load(path: str | Path, dtype: mx.Dtype = mx.float32, compact: bool = False,
          progress: Callable[[int, int, str], None] | None = None) -> tuple[DiffusionGemma, Tokenizer]:
     """Load a converted directory, or convert a .gguf in memory (exact unless ``compact``).
 
+    ``~`` and environment variables in ``path`` are expanded.
+
     The model's generation defaults (generation_config.json or the GGUF's) are attached as
     ``model.generation_config``.
     """
     from .loader import load_dir, load_gguf
 
-    p = Path(path)
+    p = user_path(path)  # "~/models/dgemma" works as README writes it
     if p.is_dir():
         model, _ = load_dir(p, dtype=dtype)
         tokenizer = Tokenizer.from_dir(p)

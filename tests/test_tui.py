@@ -127,7 +127,7 @@ async def test_export_writes_json_lines(tmp_path):
     lines = app.last_export.read_text().splitlines()
     assert len(lines) == 6
     recs = [json.loads(x) for x in lines]
-    assert [(r["block"], r["step"]) for r in recs] == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+    assert [(r["block"], r["step"]) for r in recs] == [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)]
     assert all(len(r["canvas"]) == len(r["entropy"]) == len(r["accepted"]) == 16 for r in recs)
     assert recs[-1]["stopped"] and recs[0]["draft_text"].startswith("The sky")
 
@@ -212,3 +212,60 @@ def test_core_never_imports_textual():
             "from mlx_dgemma import load, generate, stream_generate; "
             "assert not [m for m in sys.modules if m.split('.')[0] == 'textual'], 'textual imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class FailingLoad(ScriptedBackend):
+    label = "/models/not-a-gguf"
+
+    def load(self, progress):
+        from mlx_dgemma.errors import ModelFilesError
+
+        raise ModelFilesError("/models/not-a-gguf: not a GGUF file")
+
+
+async def test_failed_load_offers_the_demo_and_accepts_no_messages(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLX_DGEMMA_CACHE", str(tmp_path))
+    backend = FailingLoad()
+    app = DGemmaApp(backend)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, WelcomeScreen))
+        error = str(app.screen.query_one("#welcome-error").render())
+        assert "not a GGUF file" in error
+        assert not app.screen.query("#prompt")  # nowhere to type a message into nothing
+        assert not [s for s in app.screen_stack if isinstance(s, ChatScreen)]
+        await pilot.press("d")  # the demo from here works, and clears the failure
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and app.engine.loaded, timeout=60)
+        assert app.backend.is_demo and app.load_error is None
+        await pilot.press("ctrl+q")
+    assert app.return_code == 0
+
+
+async def test_quitting_after_a_failed_load_exits_non_zero():
+    app = DGemmaApp(FailingLoad())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, WelcomeScreen))
+        await pilot.press("q")
+    assert app.return_code not in (0, None)
+
+
+async def test_a_message_sent_while_the_load_fails_goes_nowhere():
+    import threading
+
+    sent = threading.Event()
+
+    class SlowFailingLoad(FailingLoad):
+        def load(self, progress):
+            sent.wait(30)  # fails only once the message has been sent
+            super().load(progress)
+
+    backend = SlowFailingLoad()
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+        await pilot.pause(0.1)
+        await send(pilot, "hello?")  # typed while "loading: …"
+        sent.set()
+        await wait_for(pilot, lambda: isinstance(app.screen, WelcomeScreen))
+        await pilot.pause(0.3)
+        assert backend.prompts == []
+        assert app.load_error is not None

@@ -83,6 +83,8 @@ class ChatScreen(Screen):
                 status.update(f"ready: {m.detail}")
         elif m.state == "busy":
             self.busy = True
+        elif m.state == "failed":
+            self.app.load_failed(m.detail)
 
     @on(EngineError)
     def _on_error(self, m: EngineError) -> None:

@@ -7,7 +7,7 @@ from functools import partial
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Collapsible, Markdown, Static
 
-from ..text import printable
+from mlx_dgemma.text import printable
 
 
 class Answer(Vertical):
