@@ -42,7 +42,9 @@ class WelcomeScreen(Screen):
         if self.error is None:
             yield Static("mlx-dgemma: no model yet", id="welcome-title")
         else:
-            yield Static(f"Could not load the model: {self.error}", id="welcome-error")
+            yield Static(f"Could not load the model: {self.error}\n"
+                         "Give a .gguf file or a directory written by mlx-dgemma convert "
+                         "(mlx-dgemma chat --model PATH), or try the demo:", id="welcome-error")
         with Horizontal(id="welcome-buttons"):
             yield Button("Try the demo model (d)", variant="primary", id="demo")
             yield Button("Quit (q)", id="quit")
