@@ -93,10 +93,11 @@ def run_app(model: str | None = None, demo: bool = False, dtype: str = "float32"
     """Run the chat app; the exit status is non-zero if the user quits with no model loaded."""
     from mlx_dgemma.errors import ModelFilesError
 
-    model = str(user_path(model)) if model else (None if demo else configured_model())
+    from_env = not model and not demo
+    model = str(user_path(model)) if model else (configured_model() if from_env else None)
     backend = ModelBackend(model=model, demo=demo, dtype=dtype) if (model or demo) else None
     if model and not demo and not Path(model).exists():
-        source = "" if model != configured_model() else " (from MLX_DGEMMA_MODEL)"
+        source = " (from MLX_DGEMMA_MODEL)" if from_env else ""
         raise ModelFilesError(f"{model}{source}: no such file or directory; give a .gguf file or a directory "
                               "written by `mlx-dgemma convert`")
     app = DGemmaApp(backend)
