@@ -142,3 +142,36 @@ def test_wrong_architecture_is_rejected_from_the_first_keys(tmp_path, monkeypatc
     monkeypatch.setattr(converter, "GGUFReader", no_full_parse)
     with pytest.raises(ConvertError, match="general.architecture is 'gemma3"):
         converter.open_gguf(other)
+
+
+def test_bench_reports_a_missing_peer_once_with_how_to_install(tmp_path, monkeypatch, capsys):
+    """Both mlx-vlm peers need the same package: one line, and the command that installs it.
+    The measurements are replaced (this checks the report, not the timing)."""
+    import argparse
+
+    from mlx_dgemma import bench
+
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"canvas_length": 16}))
+    calls = []
+
+    def fake_isolated(fn_name, **kwargs):
+        calls.append(fn_name)
+        if fn_name == "measure_ours":
+            return {"impl": "mlx-dgemma", "seconds_per_step": 1.0, "flops_per_step": 1e9,
+                    "prefill_tokens_per_second": 10.0, "peak_rss_bytes": 1}
+        return {"impl": fn_name, "missing": "mlx_vlm",
+                "skipped": "not installed (mlx_vlm); install the peers with: pip install -e '.[parity,bench]'"}
+
+    monkeypatch.setattr(bench, "isolated", fake_isolated)
+    monkeypatch.setattr(bench, "build", lambda name, work, canvas: (tmp_path / "x.gguf", model_dir))
+    monkeypatch.setattr(bench, "dense_matmul_gflops", lambda dt: 1.0)
+    p = argparse.ArgumentParser()
+    bench.add_args(p)
+    args = p.parse_args(["--configs", "tiny", "--peers", "mlx-vlm,mlx-vlm-q4", "--extras", "none",
+                         "--workdir", str(tmp_path / "w"), "--json", str(tmp_path / "b.json")])
+    text = bench.table(bench.run(args))
+    assert calls.count("measure_mlx_vlm") == 1
+    lines = [ln for ln in text.splitlines() if "not installed" in ln]
+    assert len(lines) == 1 and lines[0].startswith("mlx-vlm ") and "pip install -e '.[parity,bench]'" in lines[0]
