@@ -98,8 +98,10 @@ class ConvertReport:
                 "max_abs_error": self.max_abs_error}
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Open a GGUF memory-mapped, turning reader failures into one-line errors."""
+def open_gguf(path: Path, architecture: str | None = ARCH) -> GGUFReader:
+    """Open a GGUF memory-mapped, turning reader failures into one-line errors. A file of
+    another ``architecture`` is refused from its first keys, before the (slow) full parse;
+    ``architecture=None`` opens any GGUF."""
     path = Path(path)
     if not path.is_file():
         raise ConvertError(f"{path}: no such file; give the path of a DiffusionGemma .gguf file")
@@ -108,9 +110,9 @@ def open_gguf(path: Path) -> GGUFReader:
     if magic != b"GGUF":
         raise ConvertError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
                            "download the .gguf model file itself")
-    arch = peek_architecture(path)
-    if arch is not None and arch != ARCH:  # before parsing the 262k-entry tokenizer arrays
-        raise ConvertError(f"{path}: general.architecture is {arch!r}, expected {ARCH!r}; "
+    arch = peek_architecture(path) if architecture is not None else None
+    if arch is not None and arch != architecture:  # before parsing the 262k-entry tokenizer arrays
+        raise ConvertError(f"{path}: general.architecture is {arch!r}, expected {architecture!r}; "
                            "this tool converts DiffusionGemma GGUF files only")
     try:
         return GGUFReader(path, "r")
