@@ -25,8 +25,10 @@ from typing import Callable
 import numpy as np
 from gguf import GGUFReader
 
+from mlx_dgemma.paths import user_path
+
 from .errors import ConvertError
-from .metadata import (TextConfig, array_len, field_value, generation_config, partial_rotary_factor,
+from .metadata import (ARCH, TextConfig, array_len, field_value, generation_config, partial_rotary_factor,
                        read_metadata)
 from .names import mlx_name
 from .tensors import Converted, check_inventory, convert_tensor
@@ -96,8 +98,10 @@ class ConvertReport:
                 "max_abs_error": self.max_abs_error}
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Open a GGUF memory-mapped, turning reader failures into one-line errors."""
+def open_gguf(path: Path, architecture: str | None = ARCH) -> GGUFReader:
+    """Open a GGUF memory-mapped, turning reader failures into one-line errors. A file of
+    another ``architecture`` is refused from its first keys, before the (slow) full parse;
+    ``architecture=None`` opens any GGUF."""
     path = Path(path)
     if not path.is_file():
         raise ConvertError(f"{path}: no such file; give the path of a DiffusionGemma .gguf file")
@@ -106,11 +110,52 @@ def open_gguf(path: Path) -> GGUFReader:
     if magic != b"GGUF":
         raise ConvertError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
                            "download the .gguf model file itself")
+    arch = peek_architecture(path) if architecture is not None else None
+    if arch is not None and arch != architecture:  # before parsing the 262k-entry tokenizer arrays
+        raise ConvertError(f"{path}: general.architecture is {arch!r}, expected {architecture!r}; "
+                           "this tool converts DiffusionGemma GGUF files only")
     try:
         return GGUFReader(path, "r")
     except (ValueError, IndexError, OSError, struct.error, UnicodeDecodeError) as e:
         raise ConvertError(f"{path}: cannot read the GGUF header or tensor table ({e}); the file is "
                            "truncated or corrupt, download it again") from e
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+
+
+def peek_architecture(path: Path, max_keys: int = 64) -> str | None:
+    """``general.architecture`` read from the first metadata keys (where writers put it), in
+    microseconds; None if it is not among them, or the header is unusual (the full parse decides)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        off = 4 + 4 + 8 + 8  # magic, version, tensor count, key-value count
+        (n_kv,) = struct.unpack_from("<Q", head, 16)
+        for _ in range(min(n_kv, max_keys)):
+            (klen,) = struct.unpack_from("<Q", head, off)
+            key = head[off + 8: off + 8 + klen].decode("utf-8")
+            off += 8 + klen
+            (vtype,) = struct.unpack_from("<I", head, off)
+            off += 4
+            if vtype == 8:  # string
+                (slen,) = struct.unpack_from("<Q", head, off)
+                value = head[off + 8: off + 8 + slen]
+                if key == "general.architecture":
+                    return value.decode("utf-8")
+                off += 8 + slen
+            elif vtype in _SCALAR_SIZES:
+                off += _SCALAR_SIZES[vtype]
+            elif vtype == 9:  # array: skip fixed-size items only; strings mean the long arrays began
+                itype, count = struct.unpack_from("<IQ", head, off)
+                if itype not in _SCALAR_SIZES:
+                    return None
+                off += 12 + count * _SCALAR_SIZES[itype]
+            else:
+                return None
+    except (struct.error, UnicodeDecodeError, OSError):
+        return None
+    return None
 
 
 def model_metadata(reader: GGUFReader, source: str) -> tuple[dict, TextConfig]:
@@ -178,23 +223,27 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False
             max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None) -> ConvertReport:
     """Convert a DiffusionGemma GGUF into an MLX model directory (exact unless ``compact``)."""
     t0 = time.perf_counter()
-    src, out = Path(gguf_path), Path(out_dir)
+    src, out = user_path(gguf_path), user_path(out_dir)
     if out.exists() and not force:
         raise ConvertError(f"{out}: output directory already exists; choose another path or pass "
                            "--force to replace it")
     reader = open_gguf(src)
     md, cfg = model_metadata(reader, str(src))
     parent = out.resolve().parent
-    if not parent.is_dir():
-        raise ConvertError(f"{parent}: parent directory of the output does not exist; create it first")
+    existing = next(p for p in (parent, *parent.parents) if p.exists())  # parents are created below
+    if not existing.is_dir():
+        raise ConvertError(f"{existing}: not a directory, so the output {out} cannot be created there; "
+                           "choose another output path")
     need = _estimate_output_bytes(reader)
-    free = shutil.disk_usage(parent).free
+    free = shutil.disk_usage(existing).free
     if free < need:
         raise ConvertError(f"{parent}: not enough disk space ({free / 1e9:.2f} GB free, the output "
                            f"needs up to {need / 1e9:.2f} GB); free some space or choose another disk")
     tmp = parent / f".{out.name}.partial-{os.getpid()}"
     report = ConvertReport(src, out, compact, input_bytes=src.stat().st_size)
+    created = [p for p in (parent, *parent.parents) if not p.exists()]  # like mkdir -p; undone on failure
     try:
+        parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         specs = _write_shards(reader, tmp, compact, max_shard_bytes, progress, report)
         _write_side_files(tmp, md, model_config(md, cfg, specs, compact, str(src)), reader)
@@ -205,14 +254,25 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False
         _swap_into_place(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         if e.errno == errno.ENOSPC:
             raise ConvertError(f"{parent}: no space left on device while writing the conversion "
                                f"(needs up to {need / 1e9:.2f} GB); nothing was kept") from e
         raise ConvertError(f"{out}: cannot write the output ({e.strerror or e}); nothing was kept") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise
     return report
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove the parent directories a failed conversion created (deepest first), if empty."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            break
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:

@@ -17,6 +17,8 @@ import mlx.core as mx
 import numpy as np
 from gguf.quants import dequantize as gguf_dequantize
 
+from mlx_dgemma.paths import user_path
+
 from .converter import open_gguf
 from .errors import ConvertError
 from .names import mlx_name
@@ -82,8 +84,8 @@ def _mlx_dequant(w: np.ndarray, s: np.ndarray, b: np.ndarray, spec: dict) -> np.
 def verify(model_dir: str | Path, gguf_path: str | Path,
            progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
     """Compare every tensor of ``model_dir`` with the GGUF it was converted from."""
-    config, weights = open_model_dir(Path(model_dir))
-    reader = open_gguf(Path(gguf_path))
+    config, weights = open_model_dir(user_path(model_dir))
+    reader = open_gguf(user_path(gguf_path))
     quant = config.get("quantization", {})
     report = VerifyReport()
     tensors = list(reader.tensors)

@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from .errors import ModelFilesError
 from .model import DiffusionGemma
+from .paths import user_path
 from .precision import Precision, resolve_precision
 from .tokenizer import Tokenizer
 
@@ -24,14 +25,14 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
     bit-exact weights), "fast" (the device's fast activation dtype, scales cast to it, padded
     sub-block tensors re-quantized to 8 bits) or "auto" (= fast). ``dtype`` picks fast's
     activation dtype (default: bfloat16 on a GPU, float32 on the CPU). Nothing on disk changes.
+    ``~`` and environment variables in ``path`` are expanded.
     The model's generation defaults (generation_config.json or the GGUF's) are attached as
     ``model.generation_config``; the resolved precision as ``model.precision``.
     """
     from .loader import load_dir, load_gguf
 
     prec = resolve_precision(precision, dtype)
-
-    p = Path(path)
+    p = user_path(path)  # "~/models/dgemma" works as README writes it
     if p.is_dir():
         model, _ = load_dir(p, precision=prec)
         tokenizer = Tokenizer.from_dir(p)

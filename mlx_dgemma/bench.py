@@ -121,7 +121,7 @@ def _child(conn, fn_name: str, kwargs: dict, timeout: float) -> None:
             res["mlx_peak_bytes"] = mlx_peak
         conn.send(("ok", res))
     except ImportError as e:
-        conn.send(("skip", f"not installed ({e.name})"))
+        conn.send(("missing", e.name))
     except MemoryError:
         conn.send(("skip", "out of memory"))
     except Exception as e:  # reported in the table, the run goes on
@@ -165,6 +165,9 @@ def isolated(fn_name: str, timeout: float | None = None, **kwargs) -> dict:
     proc.join()
     if status == "ok":
         return res
+    if status == "missing":  # `missing` lets the caller report a missing peer once
+        return {"impl": kwargs.get("label", fn_name), "missing": res,
+                "skipped": f"not installed ({res}); install the peers with: pip install -e '.[parity,bench]'"}
     return {"impl": kwargs.get("label", fn_name), "skipped": res}
 
 
@@ -558,18 +561,25 @@ def run(args: argparse.Namespace) -> dict:
             ours["vs"] = {}
             entry["rows"].append(ours)
             ours_rows.append(ours)
+        missing: set[str] = set()  # peer packages found missing: one line each, not one per peer
         for peer in peers:
-            print(f"[bench] {name}: {peer}", file=sys.stderr)
             common = dict(gguf=str(gguf), prompt_len=args.prompt_len, warmup=args.warmup, steps=args.steps)
             if peer in ("mlx-vlm", "mlx-vlm-q4"):
+                if "mlx_vlm" in missing:
+                    continue
+                print(f"[bench] {name}: {peer}", file=sys.stderr)
                 row = isolated("measure_mlx_vlm", timeout=args.child_timeout, quantized=peer == "mlx-vlm-q4",
                                **common)
             elif peer == "hf":
+                print(f"[bench] {name}: {peer}", file=sys.stderr)
                 row = isolated("measure_hf", timeout=args.child_timeout, **common)
             else:
                 from .errors import ParameterError
 
                 raise ParameterError(f"--peers: unknown peer {peer!r}; choose from mlx-vlm, mlx-vlm-q4, hf")
+            if "missing" in row:
+                missing.add(row.pop("missing"))
+                row["impl"] = "mlx-vlm" if peer.startswith("mlx-vlm") else "transformers"
             if "seconds_per_step" in row:
                 for ours in ours_rows:
                     ours["vs"][row["impl"]] = ours["seconds_per_step"] / row["seconds_per_step"]

@@ -44,14 +44,30 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return _run_verify(args.out_dir, args.gguf)
 
 
+DESCRIPTION = "Run DiffusionGemma from its GGUF files with MLX: convert, verify, generate, chat, bench."
+EPILOG = """\
+first time? the built-in demo model (random weights) shows the mechanics:
+  mlx-dgemma chat --demo
+then a real model (README: Using a real model):
+  mlx-dgemma convert diffusiongemma-26B-A4B-it-Q4_K_M.gguf ~/models/dgemma
+  mlx-dgemma chat --model ~/models/dgemma
+
+mlx-dgemma COMMAND --help shows each command's options."""
+DEBUG_HELP = "show tracebacks on errors"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx-dgemma", description=__doc__.split("\n")[0])
-    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    sub = p.add_subparsers(dest="command", required=True)
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="mlx-dgemma", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"mlx-dgemma {__version__}")
+    p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser("convert", help="repack a DiffusionGemma GGUF into an MLX model directory")
     c.add_argument("gguf", help="the .gguf file")
-    c.add_argument("out_dir", help="output directory (must not exist unless --force)")
+    c.add_argument("out_dir", help="output directory, created with its parents (must not exist unless --force)")
     c.add_argument("--compact", action="store_true",
                    help="smaller but lossy: float16 scales, 8-bit groups for Q6_K (default: exact)")
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
@@ -60,13 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_convert)
 
     v = sub.add_parser("verify", help="check a converted directory against its GGUF, bit for bit")
-    v.add_argument("out_dir")
-    v.add_argument("gguf")
+    v.add_argument("out_dir", help="the directory written by mlx-dgemma convert")
+    v.add_argument("gguf", help="the .gguf file it was converted from")
     v.set_defaults(func=_cmd_verify)
 
     from . import commands  # generate, chat, bench (registered there to keep this file small)
 
     commands.register(sub)
+    for command in sub.choices.values():  # --debug also after the subcommand (SUPPRESS: no clobbering)
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return p
 
 

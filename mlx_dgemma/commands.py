@@ -33,10 +33,44 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
                    help="activation dtype of fast precision (default: bfloat16 on a GPU, float32 on the CPU)")
 
 
+# The flag a user typed for each sampler parameter, so errors name it.
+SAMPLER_FLAGS = {"max_new_tokens": "--max-tokens", "max_denoising_steps": "--steps", "t_min": "--t-min",
+                 "t_max": "--t-max", "entropy_bound": "--entropy-bound",
+                 "stability_threshold": "--stability-threshold", "confidence_threshold": "--confidence-threshold",
+                 "sc_top_k": "--sc-top-k", "seed": "--seed"}
+
+
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("max_new_tokens", "max_denoising_steps", "t_min", "t_max", "entropy_bound",
-            "stability_threshold", "confidence_threshold", "sc_top_k", "seed")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    return {k: getattr(args, k) for k in SAMPLER_FLAGS if getattr(args, k, None) is not None}
+
+
+def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | None = None) -> None:
+    """Validate the sampler flags against the model's defaults; errors name the flag typed."""
+    from .errors import ParameterError
+    from .sampler import SamplerParams
+
+    try:
+        SamplerParams.from_config(generation_config, **overrides)
+    except ParameterError as e:
+        if e.name not in SAMPLER_FLAGS:
+            raise
+        if e.name == "t_max" and "t_max" not in overrides:  # only --t-min was given: name it
+            t_max = SamplerParams.from_config(generation_config).t_max
+            raise ParameterError(f"--t-min {overrides['t_min']}: must be below the first-step temperature "
+                                 f"({t_max}); lower --t-min or raise --t-max") from None
+        t_min = overrides.get("t_min", (generation_config or {}).get("t_min", SamplerParams.t_min))
+        rule = {"sc_top_k": "an integer >= 1 (leave --sc-top-k out for exact self-conditioning)",
+                "t_max": f"above the final temperature (--t-min, {t_min})"}.get(e.name, e.rule)
+        raise ParameterError(f"{SAMPLER_FLAGS[e.name]} {overrides.get(e.name)}: must be {rule}") from None
+
+
+def check_model_flags(model: str | None, demo: bool) -> None:
+    """--demo and --model name two different models: refuse rather than silently pick one."""
+    from .errors import ParameterError
+
+    if demo and model:
+        raise ParameterError(f"--demo and --model {model}: give one of them (--demo runs the built-in "
+                             "random-weight model; --model runs yours)")
 
 
 def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precision: str = "auto"):
@@ -46,6 +80,7 @@ def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precis
     from .progress import ProgressBar
 
     prec = resolve_precision(precision, dtype)  # a contradiction is an error before any loading
+    check_model_flags(model, demo)
     if demo:
         from .demo import load_demo
 
@@ -62,9 +97,17 @@ def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precis
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .generation import BlockEvent, DoneEvent, PrefillEvent, StepEvent, stream_generate
 
-    model, tokenizer = load_for_cli(args.model, args.demo, args.dtype, args.precision)
+    from .text import printable
+
     overrides = sampler_overrides(args)
+    check_sampler_flags({k: v for k, v in overrides.items() if k not in ("t_min", "t_max")})  # before loading
+    model, tokenizer = load_for_cli(args.model, args.demo, args.dtype, args.precision)
     gen_cfg = getattr(model, "generation_config", None)
+    check_sampler_flags(overrides, gen_cfg)  # against the model's own defaults
+    if getattr(model, "is_demo", False) and not args.json:
+        from .demo import DEMO_NOTICE
+
+        print(f"[demo] {DEMO_NOTICE}", file=sys.stderr)
     printed = 0
     done: DoneEvent | None = None
     trace = None
@@ -79,12 +122,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if isinstance(ev, StepEvent) and trace is not None:
             trace.add(ev)
         if isinstance(ev, StepEvent) and args.show_drafts and not args.json:
-            draft = tokenizer.decode(ev.draft.tolist()).replace("\n", " ")
+            draft = printable(tokenizer.decode(ev.draft.tolist()).replace("\n", " "))
             print(f"[block {ev.block + 1} step {ev.step:>2}] T={ev.temperature:.3f} "
                   f"accepted {int(ev.accepted.sum()):>3}/{ev.accepted.size} H={ev.mean_entropy:.3f} | {draft[:100]}",
                   file=sys.stderr)
         elif isinstance(ev, BlockEvent) and not args.json:
-            sys.stdout.write(ev.text[printed:] if ev.text.startswith(ev.text[:printed]) else "\n" + ev.text)
+            # a model can emit any byte: control characters are shown escaped, never sent raw
+            sys.stdout.write(printable(ev.text[printed:] if ev.text.startswith(ev.text[:printed])
+                                       else "\n" + ev.text))
             sys.stdout.flush()
             printed = len(ev.text)
         elif isinstance(ev, DoneEvent):
@@ -111,12 +156,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    check_model_flags(args.model, args.demo)
     from .tui.app import run_app
 
     from .precision import resolve_precision
 
     resolve_precision(args.precision, args.dtype)  # a contradiction is an error before the app starts
     return run_app(model=args.model, demo=args.demo, dtype=args.dtype, precision=args.precision)
+
+
+CHAT_EPILOG = """\
+keys:
+  Enter            send the message
+  Escape           cancel the answer (at the next step)
+  Ctrl+B / Ctrl+F  replay: step backward / forward through the denoising steps
+  Ctrl+T           export the answer's trace as JSON lines
+  Ctrl+O           sampler settings
+  Ctrl+N           new chat (drops the cache)
+  Ctrl+Q           quit
+
+environment:
+  MLX_DGEMMA_MODEL  the model to use when --model is not given (~ is expanded);
+                    with neither, the app offers the built-in demo model
+"""
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -127,7 +189,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the model-running subcommands to the ``mlx-dgemma`` parser."""
-    g = sub.add_parser("generate", help="generate an answer, streamed to stdout")
+    g = sub.add_parser("generate", help="generate an answer, streamed to stdout",
+                       description="Generate an answer, streamed to stdout (progress and timings on stderr). "
+                                   "Try it first with: mlx-dgemma generate --demo --prompt 'Hi' --seed 0")
     g.add_argument("--model", help="converted directory or .gguf file")
     g.add_argument("--demo", action="store_true", help=DEMO_HELP)
     g.add_argument("--prompt", required=True, help="the user message")
@@ -140,8 +204,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampler_args(g)
     g.set_defaults(func=_cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive terminal chat that shows the canvas denoising")
-    c.add_argument("--model", help="converted directory or .gguf file")
+    c = sub.add_parser("chat", help="interactive terminal chat that shows the canvas denoising",
+                       description="Interactive terminal chat that shows the canvas denoising, step by step.",
+                       epilog=CHAT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("--model", help="converted directory or .gguf file (default: $MLX_DGEMMA_MODEL)")
     c.add_argument("--demo", action="store_true", help=DEMO_HELP)
     add_precision_args(c)
     c.set_defaults(func=_cmd_chat)

@@ -10,6 +10,9 @@ from pathlib import Path
 import mlx.core as mx
 
 DEMO_NAME = "demo-random-v1.gguf"
+# Shown wherever the demo runs (CLI stderr, the chat app's banner): its output is not a model's.
+DEMO_NOTICE = ("the built-in demo model has random weights: its text is noise, its denoising is real "
+               "(README: Using a real model)")
 
 
 def demo_spec():

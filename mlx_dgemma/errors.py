@@ -13,4 +13,12 @@ class ModelFilesError(DGemmaError):
 
 
 class ParameterError(DGemmaError, ValueError):
-    """A parameter value is out of its allowed range."""
+    """A parameter value is out of its allowed range.
+
+    ``name`` (the API's parameter name) and ``rule`` (what it must be), when set, let the CLI
+    and the TUI restate the error with the flag or label the user actually typed.
+    """
+
+    def __init__(self, message: str, name: str | None = None, rule: str | None = None):
+        super().__init__(message)
+        self.name, self.rule = name, rule

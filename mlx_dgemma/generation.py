@@ -173,13 +173,19 @@ def peak_rss_bytes() -> int:
     return r if sys.platform == "darwin" else r * 1024
 
 
+def _model_defaults(model: DiffusionGemma, generation_config: dict | None) -> dict | None:
+    """The generation config to use: the one given, else the model's own (from load())."""
+    return generation_config if generation_config is not None else getattr(model, "generation_config", None)
+
+
 class ChatSession:
-    """A conversation: the cache and the token history persist across turns."""
+    """A conversation: the cache and the token history persist across turns. Sampler defaults
+    come from ``generation_config``, else the model's own."""
 
     def __init__(self, model: DiffusionGemma, tokenizer: Tokenizer, generation_config: dict | None = None,
                  dtype: mx.Dtype | None = None, enable_thinking: bool = False, system: str | None = None):
         self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
-        self.params = SamplerParams.from_config(generation_config)
+        self.params = SamplerParams.from_config(_model_defaults(model, generation_config))
         self.enable_thinking = enable_thinking
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.cache = model.make_cache()
@@ -228,9 +234,10 @@ def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | l
     ``prompt`` is a user message (rendered with the chat template unless ``chat=False``),
     a list of messages, or token ids. ``params`` override generation_config values
     (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
-    confidence_threshold, max_new_tokens, seed, sc_top_k).
+    confidence_threshold, max_new_tokens, seed, sc_top_k). Without ``generation_config`` the
+    model's own (``model.generation_config``, attached by :func:`mlx_dgemma.load`) is used.
     """
-    p = SamplerParams.from_config(generation_config, **params)
+    p = SamplerParams.from_config(_model_defaults(model, generation_config), **params)
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ParameterError("prompt: empty; give some text")

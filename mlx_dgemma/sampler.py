@@ -50,15 +50,15 @@ class SamplerParams:
 
     def validate(self) -> None:
         def bad(name: str, rule: str):
-            raise ParameterError(f"{name} = {getattr(self, name)!r}: must be {rule}")
+            raise ParameterError(f"{name} = {getattr(self, name)!r}: must be {rule}", name, rule)
 
         if not isinstance(self.max_denoising_steps, int) or not 1 <= self.max_denoising_steps <= 10_000:
             bad("max_denoising_steps", "an integer in [1, 10000]")
         if not 0 < self.t_min:
             bad("t_min", "> 0")
         if not self.t_max > self.t_min:
-            raise ParameterError(f"t_min = {self.t_min!r}, t_max = {self.t_max!r}: the schedule needs "
-                                 "0 < t_min < t_max (defaults 0.4 and 0.8)")
+            bad("t_max", f"above t_min = {self.t_min!r}: the schedule falls from t_max to t_min "
+                         "(defaults 0.8 and 0.4)")
         if not self.entropy_bound > 0:
             bad("entropy_bound", "> 0")
         if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from .generation import StepEvent
+from .paths import user_path
 
 
 @dataclass
@@ -32,10 +33,12 @@ class Trace:
         return self.blocks[block][index]
 
     def records(self, decode: Callable[[list[int]], str] | None = None) -> list[dict]:
+        """One record per step. ``block`` and ``step`` count from 1, as the UI and the CLI show
+        them (StepEvent.block is the 0-based index)."""
         out = []
         for steps in self.blocks:
             for ev in steps:
-                rec = {"block": ev.block, "step": ev.step, "max_steps": ev.max_steps,
+                rec = {"block": ev.block + 1, "step": ev.step, "max_steps": ev.max_steps,
                        "temperature": ev.temperature, "mean_entropy": ev.mean_entropy,
                        "accepted_count": int(ev.accepted.sum()), "seconds": ev.seconds, "stopped": ev.stopped,
                        "canvas": ev.canvas.tolist(), "draft": ev.draft.tolist(),
@@ -48,7 +51,7 @@ class Trace:
 
     def export_jsonl(self, path: str | Path, decode: Callable[[list[int]], str] | None = None) -> Path:
         """Write one JSON object per step; written to a temporary file and renamed."""
-        path = Path(path)
+        path = user_path(path)
         tmp = path.with_name(path.name + ".partial")
         with open(tmp, "w") as f:
             for rec in self.records(decode):

@@ -194,6 +194,36 @@ def test_cli_errors_are_one_line(tiny_model_dir, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tokenizer_gguf.json is missing" in err[0] and str(broken) in err[0]
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--steps", "0"]) == 2
-    assert "max_denoising_steps = 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--steps 0: must be an integer in [1, 10000]" in err and "max_denoising_steps" not in err
     with pytest.raises(ModelFilesError):
         load(tmp_path / "nothing-here")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--sc-top-k", "0"], "--sc-top-k 0: must be an integer >= 1 (leave --sc-top-k out"),
+    (["--max-tokens", "0"], "--max-tokens 0: must be an integer >= 1"),
+    (["--t-min", "0.9"], "--t-min 0.9: must be below the first-step temperature (0.8)"),
+    (["--t-max", "0.3"], "--t-max 0.3: must be above the final temperature (--t-min, 0.4)"),
+    (["--entropy-bound", "0"], "--entropy-bound 0.0: must be > 0"),
+])
+def test_cli_sampler_errors_name_the_flag_typed(tiny_model_dir, capsys, flags, expected):
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1
+    assert not any(name in err for name in ("sc_top_k", "max_new_tokens", "t_min", "t_max", "entropy_bound", "None"))
+
+
+def test_generate_uses_the_models_generation_config_by_default(tiny_model_dir):
+    model, tok = load(tiny_model_dir)  # its own copy: the generation config is changed below
+    model.generation_config = {**model.generation_config, "max_denoising_steps": 1, "max_new_tokens": 64}
+    events = list(stream_generate(model, tok, "Hello", seed=0))  # no generation_config passed
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert steps and all(e.max_steps == 1 and e.step == 1 for e in steps)
+    assert len(events[-1].tokens) <= 64
+    session = ChatSession(model, tok)
+    assert session.params.max_denoising_steps == 1 and session.params.max_new_tokens == 64
+    # an explicit config still wins over the model's
+    explicit = [e for e in stream_generate(model, tok, "Hello", generation_config={"max_denoising_steps": 3},
+                                           max_new_tokens=32, seed=0) if isinstance(e, StepEvent)]
+    assert explicit[0].max_steps == 3

@@ -68,3 +68,16 @@ def test_settings_dialog(snap_compare):
         await pilot.pause()
 
     assert snap_compare(DGemmaApp(backend), terminal_size=(130, 40), run_before=run_before)
+
+
+def test_failed_load_at_80x24(snap_compare):
+    from .test_tui import FailingLoad
+
+    async def run_before(pilot):
+        from mlx_dgemma.tui.screens.welcome import WelcomeScreen
+
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, WelcomeScreen))
+        await settle(pilot)
+        await pilot.pause()
+
+    assert snap_compare(DGemmaApp(FailingLoad()), terminal_size=(80, 24), run_before=run_before)

@@ -62,6 +62,6 @@ def gemma3_path(tmp_path_factory):
 
 
 def test_gemma3_sentencepiece_matches_transformers(gemma3_path):
-    ours = Tokenizer(tokenizer_payload(open_gguf(gemma3_path)))
+    ours = Tokenizer(tokenizer_payload(open_gguf(gemma3_path, architecture=None)))  # any GGUF's tokenizer
     assert ours.kind == "llama" and ours.vocab_size == 262144
     check_same(ours, reference(gemma3_path), TEXTS + ["<start_of_turn>user\nhello<end_of_turn>\n"])

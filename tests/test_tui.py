@@ -127,7 +127,7 @@ async def test_export_writes_json_lines(tmp_path):
     lines = app.last_export.read_text().splitlines()
     assert len(lines) == 6
     recs = [json.loads(x) for x in lines]
-    assert [(r["block"], r["step"]) for r in recs] == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+    assert [(r["block"], r["step"]) for r in recs] == [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)]
     assert all(len(r["canvas"]) == len(r["entropy"]) == len(r["accepted"]) == 16 for r in recs)
     assert recs[-1]["stopped"] and recs[0]["draft_text"].startswith("The sky")
 
@@ -143,7 +143,10 @@ async def test_settings_validate_and_apply():
         box.value = "0.9"  # above t_max: refused with the rule
         await pilot.click("#save")
         assert isinstance(app.screen, SettingsScreen)
-        assert "t_min" in str(app.screen.query_one("#settings-error").render())
+        error = str(app.screen.query_one("#settings-error").render())
+        assert "final temperature (0.9) must be below the first-step temperature (0.8)" in error
+        assert "t_min" not in error and "t_max" not in error  # the labels shown, not internal names
+        assert "the temperature falls from the first step to the last" in screen_text(app)  # not clipped
         box.value = "0.3"
         app.screen.query_one("#set-max_denoising_steps").value = "7"
         app.screen.query_one("#save").press()
@@ -155,14 +158,77 @@ async def test_settings_validate_and_apply():
         assert backend.prompts[0][1]["max_denoising_steps"] == 7
 
 
+async def test_settings_cleared_field_means_the_models_default():
+    backend = ScriptedBackend(steps=2, blocks=1)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        screen(app).params = {"entropy_bound": 0.3, "seed": 5}
+        notes = []
+        app.notify = lambda message, **kw: notes.append(message)
+        await pilot.press("ctrl+o")
+        box = app.screen.query_one("#set-entropy_bound")
+        assert box.value == "0.3" and box.placeholder == "default 0.1"
+        box.value = ""  # cleared: back to the model's default, and the app says so
+        app.screen.query_one("#set-seed").value = ""
+        app.screen.query_one("#set-max_denoising_steps").value = "7"
+        app.screen.query_one("#save").press()
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+        assert screen(app).params == {"max_denoising_steps": 7}
+        assert any("max steps per block 7" in n and "the rest are the model's defaults" in n for n in notes)
+
+
 async def test_new_chat_resets():
     backend = ScriptedBackend(steps=2, blocks=1)
     app = DGemmaApp(backend)
     async with app.run_test(size=SIZE) as pilot:
         await ask(pilot, backend)
+        assert "block 1" in str(screen(app).query_one("#canvas-title").render())
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: backend.resets == 1)
         assert not screen(app).query(Answer) and screen(app).trace.blocks == []
+        assert str(screen(app).query_one("#canvas-title").render()) == "canvas"  # no stale "block 1, step 2/48"
+
+
+async def test_chart_and_status_number_steps_alike():
+    backend = ScriptedBackend(steps=4, blocks=2)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, backend)
+        await pilot.press("ctrl+b")  # replay: the status line shows the step, as does the chart
+        status = str(screen(app).query_one("#status").render())
+        chart = str(screen(app).query_one("#chart").render())
+        assert "step 3/48" in status and "step 3/48" in chart
+
+
+def screen_text(app) -> str:
+    """What the terminal shows, as text, with whitespace runs collapsed (wrapped lines join)."""
+    lines = [strip.text for strip in app.screen._compositor.render_strips()]
+    text = " ".join(lines).translate({ord(c): " " for c in "█▊▎│▔▁▄▀"})  # borders, not text
+    return " ".join(text.split())
+
+
+async def test_80x24_welcome_shows_the_commands_and_buttons(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLX_DGEMMA_CACHE", str(tmp_path))
+    app = DGemmaApp(None)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: "^q Quit" in screen_text(app))  # a loaded CI machine is slow
+        text = screen_text(app)
+        assert "mlx-dgemma convert diffusiongemma-26B-A4B-it-Q4_K_M.gguf \\ ~/models/dgemma" in text
+        for button in app.screen.query("Button"):
+            assert button.region.bottom <= 24 and button.region.right <= 80, button
+        assert "d Demo model" in text and "^q Quit" in text
+
+
+async def test_80x24_chat_footer_shows_every_binding():
+    backend = ScriptedBackend(steps=2, blocks=1)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        await wait_for(pilot, lambda: "esc" in screen_text(app))
+        footer = [strip.text for strip in app.screen._compositor.render_strips()][-1]
+        for key in ("esc", "^n", "^o", "^b", "^f", "^t", "^q Quit"):
+            assert key in footer, footer
 
 
 async def test_errors_are_shown_not_raised():
@@ -212,3 +278,77 @@ def test_core_never_imports_textual():
             "from mlx_dgemma import load, generate, stream_generate; "
             "assert not [m for m in sys.modules if m.split('.')[0] == 'textual'], 'textual imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class FailingLoad(ScriptedBackend):
+    label = "/models/not-a-gguf"
+
+    def load(self, progress):
+        from mlx_dgemma.errors import ModelFilesError
+
+        raise ModelFilesError("/models/not-a-gguf: not a GGUF file")
+
+
+async def test_failed_load_offers_the_demo_and_accepts_no_messages(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLX_DGEMMA_CACHE", str(tmp_path))
+    backend = FailingLoad()
+    app = DGemmaApp(backend)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, WelcomeScreen))
+        error = str(app.screen.query_one("#welcome-error").render())
+        assert "not a GGUF file" in error
+        assert not app.screen.query("#prompt")  # nowhere to type a message into nothing
+        assert not [s for s in app.screen_stack if isinstance(s, ChatScreen)]
+        await pilot.press("d")  # the demo from here works, and clears the failure
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and app.engine.loaded, timeout=60)
+        assert app.backend.is_demo and app.load_error is None
+        await pilot.press("ctrl+q")
+    assert app.return_code == 0
+
+
+async def test_quitting_after_a_failed_load_exits_non_zero():
+    app = DGemmaApp(FailingLoad())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, WelcomeScreen))
+        await pilot.press("q")
+    assert app.return_code not in (0, None)
+
+
+async def test_a_message_sent_while_the_load_fails_goes_nowhere():
+    import threading
+
+    sent = threading.Event()
+
+    class SlowFailingLoad(FailingLoad):
+        def load(self, progress):
+            sent.wait(30)  # fails only once the message has been sent
+            super().load(progress)
+
+    backend = SlowFailingLoad()
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+        await pilot.pause(0.1)
+        await send(pilot, "hello?")  # typed while "loading: …"
+        sent.set()
+        await wait_for(pilot, lambda: isinstance(app.screen, WelcomeScreen))
+        await pilot.pause(0.3)
+        assert backend.prompts == []
+        assert app.load_error is not None
+
+
+async def test_chat_log_follows_the_answer_after_a_resize():
+    backend = ScriptedBackend(steps=3, blocks=8, delay=0.05)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        await send(pilot, "long answer please")
+        await wait_for(pilot, lambda: len(screen(app).trace.blocks) >= 2)
+        await pilot.resize_terminal(80, 24)  # mid-answer
+        await wait_for(pilot, lambda: done(app))
+        answer = screen(app).query_one(Answer)
+        await wait_for(pilot, lambda: answer.rendered == answer.target)
+        await pilot.pause(0.2)
+        log = screen(app).query_one("#chat-log")
+        assert log.max_scroll_y > 0  # the answer is taller than the log
+        assert log.scroll_y == log.max_scroll_y  # and the log shows its end

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from textual import work
 from textual.app import App
 
+from mlx_dgemma.paths import user_path
+
 from .engine import Engine, Job, ModelBackend
+
+LOAD_FAILED_EXIT = 2  # the exit status when the user quits while no model could be loaded
 
 
 class DGemmaApp(App):
@@ -23,6 +28,7 @@ class DGemmaApp(App):
         self.engine: Engine | None = None
         self.trace_dir = Path(trace_dir)
         self.last_export: Path | None = None
+        self.load_error: str | None = None  # set while the model could not be loaded
 
     def on_mount(self) -> None:
         if self.backend is None:
@@ -34,8 +40,25 @@ class DGemmaApp(App):
 
     def start_demo(self) -> None:
         self.backend = ModelBackend(demo=True)
+        self.load_error = None
         self.pop_screen()
         self._start()
+
+    def load_failed(self, message: str) -> None:
+        """The model could not be loaded: leave the chat (there is nothing to talk to) for the
+        welcome screen, which shows the error, how to get a model, and the demo."""
+        from .screens.chat import ChatScreen
+        from .screens.welcome import WelcomeScreen
+
+        if self.load_error is not None:
+            return
+        self.load_error = message
+        if self.engine is not None:
+            self.engine.stop()
+            self.engine = None
+        if isinstance(self.screen, ChatScreen):
+            self.pop_screen()
+        self.push_screen(WelcomeScreen(error=message, model=getattr(self.backend, "label", None)))
 
     def _start(self) -> None:
         from .screens.chat import ChatScreen
@@ -44,13 +67,16 @@ class DGemmaApp(App):
         # post_message is thread-safe and does not block the engine on the UI
         self.engine = Engine(self.backend, self.chat_screen.post_message)
         self.push_screen(self.chat_screen)
-        self._engine_worker()
+        self._engine_worker(self.engine)
         self.engine.submit(Job("load"))
 
-    @work(thread=True, exclusive=True, group="engine")
-    def _engine_worker(self) -> None:
-        """The one thread that runs MLX for the whole session (see engine.py)."""
-        self.engine.run()
+    @work(thread=True, group="engine")
+    def _engine_worker(self, engine: Engine) -> None:
+        """The one thread that runs MLX for the session's model (see engine.py)."""
+        engine.run()
+
+    async def action_quit(self) -> None:
+        self.exit(return_code=LOAD_FAILED_EXIT if self.load_error is not None else 0)
 
     def on_unmount(self) -> None:
         if self.engine is not None:
@@ -58,17 +84,25 @@ class DGemmaApp(App):
 
 
 def configured_model() -> str | None:
-    return os.environ.get("MLX_DGEMMA_MODEL") or None
+    """``MLX_DGEMMA_MODEL``, with ``~`` and variables expanded (no shell expands it for us)."""
+    value = os.environ.get("MLX_DGEMMA_MODEL", "").strip()
+    return str(user_path(value)) if value else None
 
 
 def run_app(model: str | None = None, demo: bool = False, dtype: str | None = None,
             precision: str = "auto") -> int:
-    model = model or (None if demo else configured_model())
-    backend = ModelBackend(model=model, demo=demo, dtype=dtype, precision=precision) if (model or demo) else None
-    if model and not Path(model).exists():
-        from ..errors import ModelFilesError
+    """Run the chat app; the exit status is non-zero if the user quits with no model loaded."""
+    from mlx_dgemma.errors import ModelFilesError
 
-        raise ModelFilesError(f"{model}: no such file or directory; give a .gguf file or a directory written "
-                              "by `mlx-dgemma convert`")
-    DGemmaApp(backend).run()
-    return 0
+    from_env = not model and not demo
+    model = str(user_path(model)) if model else (configured_model() if from_env else None)
+    backend = ModelBackend(model=model, demo=demo, dtype=dtype, precision=precision) if (model or demo) else None
+    if model and not demo and not Path(model).exists():
+        source = " (from MLX_DGEMMA_MODEL)" if from_env else ""
+        raise ModelFilesError(f"{model}{source}: no such file or directory; give a .gguf file or a directory "
+                              "written by `mlx-dgemma convert`")
+    app = DGemmaApp(backend)
+    app.run()
+    if app.load_error is not None:
+        print(f"mlx-dgemma chat: error: {app.load_error}", file=sys.stderr)
+    return app.return_code or 0

@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from mlx_dgemma.errors import DGemmaError
+
 
 @dataclass
 class Job:
@@ -110,9 +112,13 @@ class Engine:
             try:
                 self._do(job)
             except Exception as e:  # shown in the app; the loop keeps serving
-                self._post(self._error(f"{type(e).__name__}: {e}" if not str(e).startswith(("prompt", "t_", "max_"))
-                                       else str(e), job.answer_id if job.kind == "generate" else None))
-                self._post(self._status("ready" if self.loaded else "failed"))
+                # our own errors are written for the user; anything else gets its type name
+                message = str(e) if isinstance(e, DGemmaError) else f"{type(e).__name__}: {e}"
+                if job.kind == "load":
+                    self._post(self._status("failed", message))  # the app offers what to do
+                else:
+                    self._post(self._error(message, job.answer_id if job.kind == "generate" else None))
+                    self._post(self._status("ready"))
 
     def _do(self, job: Job) -> None:
         if job.kind == "load":
@@ -123,6 +129,8 @@ class Engine:
         elif job.kind == "reset":
             self.backend.reset()
         elif job.kind == "generate":
+            if not self.loaded:
+                return  # queued while a load was failing; the app has left the chat
             self._post(self._status("busy"))
             for ev in self.backend.stream(job.prompt, self.cancel_flag.is_set, **job.params):
                 self._post(self._event(ev, job.answer_id))

@@ -10,7 +10,8 @@ from textual.message import Message
 
 @dataclass
 class EngineStatus(Message):
-    """Loading progress or a state change ("loading", "ready", "busy", "idle")."""
+    """Loading progress or a state change ("loading", "ready", "busy", or "failed": the model
+    could not be loaded, ``detail`` says why)."""
 
     state: str
     detail: str = ""

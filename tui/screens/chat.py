@@ -27,13 +27,14 @@ REFRESH_HZ = 15  # the canvas redraws at most this often, however fast steps arr
 
 
 class ChatScreen(Screen):
+    # Short labels: the footer, ^q Quit included, fits an 80-column terminal.
     BINDINGS = [
         Binding("escape", "cancel", "Cancel"),
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+o", "settings", "Settings"),
-        Binding("ctrl+b", "replay(-1)", "Step back"),
-        Binding("ctrl+f", "replay(1)", "Step fwd"),
-        Binding("ctrl+t", "export", "Export trace"),
+        Binding("ctrl+b", "replay(-1)", "Back"),
+        Binding("ctrl+f", "replay(1)", "Fwd"),
+        Binding("ctrl+t", "export", "Export"),
     ]
 
     def __init__(self, **kw):
@@ -64,7 +65,7 @@ class ChatScreen(Screen):
                 yield CanvasView(piece=getattr(backend, "piece", str), id="canvas")
                 yield EntropyChart(id="chart")
         yield StatusLine("starting…", id="status")
-        yield Footer()
+        yield Footer(compact=True)  # every binding, ^q Quit included, fits 80 columns
 
     def on_mount(self) -> None:
         self.set_interval(1 / REFRESH_HZ, self._flush)
@@ -83,6 +84,8 @@ class ChatScreen(Screen):
                 status.update(f"ready: {m.detail}")
         elif m.state == "busy":
             self.busy = True
+        elif m.state == "failed":
+            self.app.load_failed(m.detail)
 
     @on(EngineError)
     def _on_error(self, m: EngineError) -> None:
@@ -188,22 +191,25 @@ class ChatScreen(Screen):
         self.trace = Trace()
         self.cursor = None
         self.answer = None
+        self._pending = None
+        self._last_done = None
+        self._step_seconds.clear()
         self.query_one(ChatLog).remove_children()
+        self.query_one("#canvas-title", Static).update("canvas")
         self.query_one(CanvasView).clear()
         self.query_one(EntropyChart).set_block([], 0)
         self.query_one(StatusLine).update("new chat")
 
     def action_settings(self) -> None:
-        from .settings import SettingsScreen
+        from .settings import SettingsScreen, describe
 
         def done(result: dict | None) -> None:
             if result is not None:
                 self.params = result
-                self.app.notify("Sampler settings updated.")
+                self.app.notify(describe(result))
 
         defaults = dict(self.app.backend.generation_config)
-        defaults.update(self.params)
-        self.app.push_screen(SettingsScreen(defaults), done)
+        self.app.push_screen(SettingsScreen({**defaults, **self.params}, defaults), done)
 
     def action_replay(self, delta: int) -> None:
         steps = self.trace.steps

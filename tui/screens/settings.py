@@ -1,4 +1,5 @@
-"""Sampler settings (validated with the same rules as the API)."""
+"""Sampler settings (validated with the same rules as the API). An empty field means the
+model's own default (shown as the placeholder); errors name the field by its label."""
 
 from __future__ import annotations
 
@@ -21,27 +22,37 @@ FIELDS = [
     ("max_new_tokens", "max new tokens", int),
     ("seed", "seed (empty = random)", int),
 ]
+LABELS = {name: label for name, label, _ in FIELDS}
+KIND_NAMES = {int: "a whole number", float: "a number"}
 
 
 class SettingsScreen(ModalScreen[dict | None]):
+    """Returns the overrides (only the fields that differ from the model's defaults), or None."""
+
     BINDINGS = [("escape", "dismiss(None)", "Close")]
 
-    def __init__(self, values: dict):
+    def __init__(self, values: dict, defaults: dict | None = None):
         super().__init__()
-        self.values = values
+        self.values = values  # what the fields show: the model's defaults with the current overrides
+        self.defaults = dict(values if defaults is None else defaults)  # the model's own
 
     def compose(self) -> ComposeResult:
         with Vertical(id="settings"):
-            yield Label("Sampler settings", id="settings-title")
+            yield Label("Sampler settings (empty = the model's default)", id="settings-title")
             with Grid(id="settings-grid"):
                 for name, label, _ in FIELDS:
                     yield Label(label)
                     v = self.values.get(name)
-                    yield Input(value="" if v is None else str(v), id=f"set-{name}")
+                    default = self.defaults.get(name)
+                    yield Input(value="" if v is None else str(v), id=f"set-{name}",
+                                placeholder="random" if default is None else f"default {default}")
             yield Label("", id="settings-error")
             with Horizontal(id="settings-buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
+
+    def _error(self, text: str) -> None:
+        self.query_one("#settings-error", Label).update(text)
 
     @on(Button.Pressed, "#cancel")
     def _cancel(self) -> None:
@@ -49,23 +60,46 @@ class SettingsScreen(ModalScreen[dict | None]):
 
     @on(Button.Pressed, "#save")
     def _save(self) -> None:
-        out = {}
+        chosen = {}
         for name, label, kind in FIELDS:
             raw = self.query_one(f"#set-{name}", Input).value.strip()
             if not raw:
-                continue
+                continue  # cleared: the model's default
             try:
-                out[name] = kind(raw)
+                chosen[name] = kind(raw)
             except ValueError:
-                self.query_one("#settings-error", Label).update(f"{label}: {raw!r} is not a valid {kind.__name__}")
+                self._error(f"{label}: {raw!r} is not {KIND_NAMES[kind]}")
                 return
         try:
-            SamplerParams.from_config(self.values_without_fields(), **out)
+            params = SamplerParams.from_config(self.values_without_fields(), **chosen)
         except ParameterError as e:
-            self.query_one("#settings-error", Label).update(str(e))
+            self._error(self._explain(e, chosen))
             return
-        self.dismiss(out)
+        merged = {name: getattr(params, name) for name in LABELS}
+        self.dismiss({k: v for k, v in merged.items() if k in chosen and v != self.defaults.get(k)})
+
+    def _explain(self, e: ParameterError, chosen: dict) -> str:
+        """The API's error, restated with the labels the dialog shows."""
+        if e.name == "t_max":
+            t_max = chosen.get("t_max", self.defaults.get("t_max"))
+            t_min = chosen.get("t_min", self.defaults.get("t_min"))
+            if t_min != self.values.get("t_min"):  # name the field the user just edited first
+                return (f"{LABELS['t_min']} ({t_min}) must be below the {LABELS['t_max']} ({t_max}): "
+                        "the temperature falls from the first step to the last")
+            return (f"{LABELS['t_max']} ({t_max}) must be above the {LABELS['t_min']} ({t_min}): "
+                    "the temperature falls from the first step to the last")
+        if e.name in LABELS:
+            return f"{LABELS[e.name]}: {chosen.get(e.name)} must be {e.rule}"
+        return str(e)
 
     def values_without_fields(self) -> dict:
         names = {n for n, _, _ in FIELDS}
-        return {k: v for k, v in self.values.items() if k not in names}
+        return {k: v for k, v in self.defaults.items() if k not in names}
+
+
+def describe(overrides: dict) -> str:
+    """A one-line summary of the overrides for the notification."""
+    if not overrides:
+        return "Sampler settings: the model's defaults."
+    return "Sampler settings: " + ", ".join(f"{LABELS.get(k, k)} {v}" for k, v in overrides.items()) + \
+        "; the rest are the model's defaults."

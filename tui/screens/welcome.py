@@ -1,47 +1,61 @@
-"""First run: no model given and none configured."""
+"""No model to chat with: none given and none configured, or the given one failed to load.
+Says how to get the real model and offers the built-in demo; fits an 80x24 terminal (the
+buttons come first, the text scrolls)."""
 
 from __future__ import annotations
 
 from textual import on
 from textual.app import ComposeResult
-from textual.containers import Center, Horizontal, Vertical
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Button, Markdown
+from textual.widgets import Button, Footer, Markdown, Static
 
 WELCOME = """\
-# mlx-dgemma
-
-No model yet. DiffusionGemma is published as a GGUF file
-(`diffusiongemma-26B-A4B-it-Q4_K_M.gguf`, 16.8 GB). Convert it once, losslessly:
+DiffusionGemma is published as a GGUF file, `diffusiongemma-26B-A4B-it-Q4_K_M.gguf`
+(16.8 GB). Convert it once, losslessly, then chat with it:
 
 ```
-mlx-dgemma convert diffusiongemma-26B-A4B-it-Q4_K_M.gguf ~/models/dgemma
+mlx-dgemma convert diffusiongemma-26B-A4B-it-Q4_K_M.gguf \\
+    ~/models/dgemma
 mlx-dgemma chat --model ~/models/dgemma
 ```
 
-(`mlx-dgemma chat --model FILE.gguf` also works; it converts in memory at every start.)
-Set `MLX_DGEMMA_MODEL=~/models/dgemma` to make it the default.
+`--model FILE.gguf` also works (converted in memory at every start).
+`export MLX_DGEMMA_MODEL=~/models/dgemma` makes it the default.
 
-Or look at the machinery right now with a small **built-in model with random weights**:
-its text is noise, but the canvas denoises exactly as the real model's does.
+The **demo model** has random weights: its text is noise, but the canvas denoises
+exactly as the real model's does.
 """
 
 
 class WelcomeScreen(Screen):
-    BINDINGS = [("d", "demo", "Demo"), ("q", "app.quit", "Quit")]
+    BINDINGS = [Binding("d", "demo", "Demo model"),
+                Binding("q", "app.quit", "Quit", show=False)]  # the footer already shows ^q Quit
+
+    def __init__(self, error: str | None = None, model: str | None = None, **kw):
+        super().__init__(**kw)
+        self.error = error
+        self.model = model
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="welcome"):
+        if self.error is None:
+            yield Static("mlx-dgemma: no model yet", id="welcome-title")
+        else:
+            yield Static(f"Could not load the model: {self.error}\n"
+                         "Give a .gguf file or a directory written by mlx-dgemma convert "
+                         "(mlx-dgemma chat --model PATH), or try the demo:", id="welcome-error")
+        with Horizontal(id="welcome-buttons"):
+            yield Button("Try the demo model (d)", variant="primary", id="demo")
+            yield Button("Quit (q)", id="quit")
+        with VerticalScroll(id="welcome"):
             yield Markdown(WELCOME)
-            with Center():
-                with Horizontal(id="welcome-buttons"):
-                    yield Button("Try the demo model (d)", variant="primary", id="demo")
-                    yield Button("Quit (q)", id="quit")
+        yield Footer()
 
     @on(Button.Pressed, "#demo")
     def action_demo(self) -> None:
         self.app.start_demo()
 
     @on(Button.Pressed, "#quit")
-    def _quit(self) -> None:
-        self.app.exit()
+    async def _quit(self) -> None:
+        await self.app.action_quit()

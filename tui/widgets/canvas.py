@@ -10,7 +10,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from ..text import printable
+from mlx_dgemma.text import printable
 
 CELL = 7  # characters per token piece, plus one space
 MAX_ENTROPY = 6.0  # nats; brighter background = more uncertain

@@ -7,7 +7,7 @@ from functools import partial
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Collapsible, Markdown, Static
 
-from ..text import printable
+from mlx_dgemma.text import printable
 
 
 class Answer(Vertical):
@@ -40,6 +40,11 @@ class Answer(Vertical):
 
 
 class ChatLog(VerticalScroll):
+    def on_mount(self) -> None:
+        # Anchored: the log follows the answer as it grows (resizes included) until the user
+        # scrolls up, and follows again once they scroll back to the end.
+        self.anchor()
+
     def add_user(self, text: str) -> None:
         self.mount(Static(text, classes="user"))
         self.scroll_end(animate=False)

@@ -25,12 +25,14 @@ class EntropyChart(Widget):
         super().__init__(**kw)
         self.entropy: list[float] = []
         self.accepted: list[int] = []
+        self.steps: list[tuple[int, int]] = []
         self.canvas = 0
         self.cursor: int | None = None
 
     def set_block(self, steps, canvas: int, cursor: int | None = None) -> None:
         self.entropy = [s.mean_entropy for s in steps]
         self.accepted = [int(s.accepted.sum()) for s in steps]
+        self.steps = [(s.step, s.max_steps) for s in steps]  # numbered as the status line numbers them
         self.canvas = canvas
         self.cursor = cursor
         self.version += 1
@@ -48,6 +50,7 @@ class EntropyChart(Widget):
         t.append("accepted      ", style="bold")
         t.append(spark([float(a) for a in self.accepted[tail]], float(self.canvas or 1)) + "\n", style="green")
         k = self.cursor if self.cursor is not None else len(self.entropy) - 1
-        t.append(f"step {k + 1}/{len(self.entropy)}: H={self.entropy[k]:.4f}  "
+        step, max_steps = self.steps[k]
+        t.append(f"step {step}/{max_steps}: H={self.entropy[k]:.4f}  "
                  f"accepted {self.accepted[k]}/{self.canvas}", style="dim")
         return t

@@ -1,4 +1,4 @@
-"""Text from the model made safe for the terminal."""
+"""Text from the model made safe for a terminal (used by the CLI and the chat app)."""
 
 from __future__ import annotations
 
