@@ -1,6 +1,13 @@
 """Errors a user can act on: each prints as one line (file, tensor or parameter; what was
 expected; what to do) and exits non-zero without a traceback unless --debug is given."""
 
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class DGemmaError(Exception):
     """Base class of every user-facing error."""
@@ -14,3 +21,31 @@ class ModelFilesError(DGemmaError):
 
 class ParameterError(DGemmaError, ValueError):
     """A parameter value is out of its allowed range."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM/SIGHUP turned into an interrupt, so the same clean-up runs as for Ctrl+C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt (with ``signum``) like Ctrl+C, so the same
+    clean-up runs; only in the main thread (where Python delivers signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+
+    sigs = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
+    old = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
