@@ -184,9 +184,8 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False
     """
     t0 = time.perf_counter()
     src, out = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
-    if not (isinstance(max_shard_bytes, int) and max_shard_bytes >= 1 << 20):
-        raise ConvertError(f"--max-shard-gb: {max_shard_bytes / 1e9!r} GB is not a shard size; give a "
-                           "finite number of at least 0.001 (GB)")
+    if not (isinstance(max_shard_bytes, int) and max_shard_bytes >= 1):
+        raise ConvertError(f"max_shard_bytes = {max_shard_bytes!r}: must be a positive integer")
     check_input_file(src)
     parent = _check_output(src, out, force)
     remove_stale_partials(parent, out.name)
