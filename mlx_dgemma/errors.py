@@ -20,7 +20,16 @@ class ModelFilesError(DGemmaError):
 
 
 class ParameterError(DGemmaError, ValueError):
-    """A parameter value is out of its allowed range."""
+    """A parameter value is out of its allowed range. ``param`` (the field name) and ``rule``
+    (what is allowed) let a front end restate the error with its own name, e.g. a CLI flag."""
+
+    def __init__(self, message: str, param: str | None = None, rule: str | None = None):
+        super().__init__(message)
+        self.param, self.rule = param, rule
+
+
+class NonFiniteError(DGemmaError):
+    """NaN or Inf where numbers must be finite: a weight (named) or the logits of a step (named)."""
 
 
 class Terminated(KeyboardInterrupt):

@@ -3,6 +3,7 @@ with renoising, StableAndConfident stopping (``generation_diffusion_gemma.py``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -37,7 +38,7 @@ class SamplerParams:
         base.update({k: v for k, v in overrides.items() if v is not None})
         if isinstance(base.get("eos_token_id"), int):
             base["eos_token_id"] = (base["eos_token_id"],)
-        if "eos_token_id" in base:
+        if isinstance(base.get("eos_token_id"), list):
             base["eos_token_id"] = tuple(base["eos_token_id"])
         p = cls(**base)
         p.validate()
@@ -49,26 +50,55 @@ class SamplerParams:
         return p
 
     def validate(self) -> None:
-        def bad(name: str, rule: str):
-            raise ParameterError(f"{name} = {getattr(self, name)!r}: must be {rule}")
-
-        if not isinstance(self.max_denoising_steps, int) or not 1 <= self.max_denoising_steps <= 10_000:
-            bad("max_denoising_steps", "an integer in [1, 10000]")
-        if not 0 < self.t_min:
-            bad("t_min", "> 0")
+        """Check every field (types, finite ranges) and the schedule; ParameterError names the field."""
+        for f in fields(self):
+            check_field(f.name, getattr(self, f.name))
         if not self.t_max > self.t_min:
             raise ParameterError(f"t_min = {self.t_min!r}, t_max = {self.t_max!r}: the schedule needs "
-                                 "0 < t_min < t_max (defaults 0.4 and 0.8)")
-        if not self.entropy_bound > 0:
-            bad("entropy_bound", "> 0")
-        if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
-            bad("stability_threshold", "an integer >= 0")
-        if not self.confidence_threshold > 0:
-            bad("confidence_threshold", "> 0")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            bad("max_new_tokens", "an integer >= 1")
-        if self.sc_top_k is not None and (not isinstance(self.sc_top_k, int) or self.sc_top_k < 1):
-            bad("sc_top_k", "an integer >= 1 (or None for exact self-conditioning)")
+                                 "0 < t_min < t_max (defaults 0.4 and 0.8)", param="t_max",
+                                 rule="greater than t_min")
+
+    def check_model(self, vocab_size: int) -> None:
+        """Checks that need the model: ``sc_top_k`` at most the vocabulary."""
+        if self.sc_top_k is not None and self.sc_top_k > vocab_size:
+            raise ParameterError(f"sc_top_k = {self.sc_top_k}: must be at most the vocabulary size "
+                                 f"({vocab_size})", param="sc_top_k", rule=f"an integer in [1, {vocab_size}]")
+
+
+# Temperatures divide logits softcapped to +-30: below 1e-3 (denormals included) the scaled
+# logits leave float32's range and the step computes NaN; above 1e3 every draw is uniform.
+_TEMPERATURE = (1e-3, 1e3)
+_RULES: dict[str, tuple[str, Any, Any, str]] = {  # name: (kind, low, high, rule text)
+    "max_denoising_steps": ("int", 1, 10_000, "an integer in [1, 10000]"),
+    "t_min": ("float", *_TEMPERATURE, "a temperature in [0.001, 1000]"),
+    "t_max": ("float", *_TEMPERATURE, "a temperature in [0.001, 1000]"),
+    "entropy_bound": ("float", 1e-12, 1e9, "a number > 0 (finite)"),
+    # the stopping history holds stability_threshold canvases: bounded like the steps
+    "stability_threshold": ("int", 0, 10_000, "an integer in [0, 10000]"),
+    "confidence_threshold": ("float", 1e-12, 1e9, "a number > 0 (finite)"),
+    "max_new_tokens": ("int", 1, 10_000_000, "an integer in [1, 10000000]"),
+    "pad_token_id": ("int", 0, 2**31 - 1, "a token id >= 0"),
+    "seed": ("int", 0, 2**64 - 1, "an integer in [0, 2**64 - 1]"),
+    "sc_top_k": ("int", 1, 2**31 - 1, "an integer >= 1 (leave it out for exact self-conditioning)"),
+}
+
+
+def check_field(name: str, value: Any) -> None:
+    """One generation parameter against its type and range (None is allowed for seed/sc_top_k)."""
+    if name == "eos_token_id":
+        ids = value if isinstance(value, (list, tuple)) else [value]
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids):
+            raise ParameterError(f"eos_token_id = {value!r}: must be a token id or a list of token ids",
+                                 param=name, rule="a token id or a list of token ids")
+        return
+    rule = _RULES.get(name)
+    if rule is None or (value is None and name in ("seed", "sc_top_k")):
+        return
+    kind, low, high, text = rule
+    ok_type = isinstance(value, int) if kind == "int" else isinstance(value, (int, float))
+    ok = ok_type and not isinstance(value, bool) and math.isfinite(value) and low <= value <= high
+    if not ok:
+        raise ParameterError(f"{name} = {value!r}: must be {text}", param=name, rule=text)
 
 
 def temperature(steps_left: int, p: SamplerParams) -> float:

@@ -16,7 +16,7 @@ from .cache import KVCache
 from .model import DiffusionGemma
 from .sampler import SamplerParams, initial_history, sample_step, stop_update
 
-OUTPUTS = ("canvas", "argmax", "accepted", "entropy", "processed", "stop", "history")
+OUTPUTS = ("canvas", "argmax", "accepted", "entropy", "processed", "stop", "history", "finite")
 
 
 class StepFunction:
@@ -24,6 +24,7 @@ class StepFunction:
 
     def __init__(self, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype = mx.float32,
                  compile: bool = True):
+        params.check_model(model.args.vocab_size)
         self.model, self.params, self.dtype = model, params, dtype
         self.compiled = compile
         self._fns: dict[bool, Callable] = {}
@@ -45,8 +46,10 @@ class StepFunction:
             out = sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key)
             stop, new_history = stop_update(history, out["argmax"], out["entropy"], p.stability_threshold,
                                             p.confidence_threshold)
+            # one flag in the same graph (no extra sync): NaN/Inf logits become an error, not a blank answer
+            finite = mx.all(mx.isfinite(logits))
             return (out["canvas"], out["argmax"], out["accepted"], out["entropy"], out["processed"], stop,
-                    new_history)
+                    new_history, finite)
 
         return body
 

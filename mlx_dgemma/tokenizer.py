@@ -22,7 +22,7 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer as _Backend, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-from .errors import ModelFilesError
+from .errors import ModelFilesError, ParameterError
 
 CONTROL, USER_DEFINED = 3, 4
 _SPACE = "\u2581"
@@ -45,6 +45,16 @@ def merges_from_vocab(tokens: Sequence[str]) -> list[tuple[str, str]]:
         merges.extend((left, right, rank) for left, right in local)
     merges.sort(key=lambda m: (-m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in merges]
+
+
+def check_text(text: str, name: str = "prompt") -> None:
+    """Text must be encodable UTF-8: undecodable bytes (argv, files) arrive as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise ParameterError(f"{name}: not valid UTF-8 (byte {bad!r} at character {e.start}); give the "
+                             "text in UTF-8", param=name, rule="UTF-8 text") from None
 
 
 class Tokenizer:
@@ -100,6 +110,7 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        check_text(text)
         ids = self._backend.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else ids
 
