@@ -27,9 +27,10 @@ import numpy as np
 from gguf import GGUFReader
 
 from .errors import ConvertError
-from ..errors import terminate_as_interrupt
-from .metadata import (TextConfig, array_len, field_value, generation_config, partial_rotary_factor,
-                       read_metadata)
+from ..errors import NonFiniteError, terminate_as_interrupt
+from ..validate import check_gguf_metadata, check_tokenizer_data, scan_gguf
+from .metadata import (ARCH, TextConfig, array_len, field_kinds, field_value, generation_config,
+                       partial_rotary_factor, read_metadata)
 from .names import mlx_name
 from .tensors import Converted, check_inventory, convert_tensor
 from .writer import ShardWriter, finalize_shard_names, header_reserve, write_index
@@ -98,8 +99,10 @@ class ConvertReport:
                 "max_abs_error": self.max_abs_error}
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Open a GGUF memory-mapped, turning reader failures into one-line errors."""
+def open_gguf(path: Path, architecture: str | None = None) -> GGUFReader:
+    """Open a GGUF memory-mapped, turning reader failures into one-line errors. With
+    ``architecture``, another model's file is refused from its first metadata key, before the
+    (slow) full parse."""
     path = Path(path).expanduser()
     check_input_file(path)
     with open(path, "rb") as f:
@@ -107,6 +110,8 @@ def open_gguf(path: Path) -> GGUFReader:
     if magic != b"GGUF":
         raise ConvertError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
                            "download the .gguf model file itself")
+    # bounded pre-scan: counts checked against the file size before gguf-py allocates from them
+    scan_gguf(path, error=ConvertError, expect_arch=architecture)
     try:
         return GGUFReader(path, "r")
     except (ValueError, IndexError, OSError, struct.error, UnicodeDecodeError) as e:
@@ -117,6 +122,7 @@ def open_gguf(path: Path) -> GGUFReader:
 def model_metadata(reader: GGUFReader, source: str) -> tuple[dict, TextConfig]:
     """Metadata dict and text config, with the RoPE split read from ``rope_freqs``."""
     md = read_metadata(reader)
+    check_gguf_metadata(md, field_kinds(reader), source)
     vocab = array_len(reader, "tokenizer.ggml.tokens")
     if vocab is None:
         embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
@@ -167,10 +173,12 @@ def _estimate_output_bytes(reader: GGUFReader) -> int:
     return total
 
 
-def _write_side_files(tmp: Path, md: dict, cfg_json: dict, reader: GGUFReader) -> None:
+def _write_side_files(tmp: Path, md: dict, cfg_json: dict, reader: GGUFReader, source: str = "GGUF") -> None:
+    tok = tokenizer_payload(reader)
+    check_tokenizer_data(tok, f"{source}: tokenizer.ggml.*", cfg_json["text_config"]["vocab_size"])
     (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps(generation_config(md), indent=2) + "\n")
-    (tmp / TOKENIZER_FILE).write_text(json.dumps(tokenizer_payload(reader), ensure_ascii=False))
+    (tmp / TOKENIZER_FILE).write_text(json.dumps(tok, ensure_ascii=False))
     if "tokenizer.chat_template" in reader.fields:
         (tmp / "chat_template.jinja").write_text(str(field_value(reader, "tokenizer.chat_template")))
 
@@ -189,7 +197,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False
     check_input_file(src)
     parent = _check_output(src, out, force)
     remove_stale_partials(parent, out.name)
-    reader = open_gguf(src)
+    reader = open_gguf(src, ARCH)
     md, cfg = model_metadata(reader, str(src))
     need = _estimate_output_bytes(reader)
     tmp = parent / f"{_tmp_prefix(out.name)}.partial-{os.getpid()}"
@@ -204,7 +212,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False
                                    f"needs up to {need / 1e9:.2f} GB); free some space or choose another disk")
             specs = _write_shards(reader, tmp, compact, max_shard_bytes, progress, report,
                                   TensorSource(f, src, before))
-            _write_side_files(tmp, md, model_config(md, cfg, specs, compact, str(src)), reader)
+            _write_side_files(tmp, md, model_config(md, cfg, specs, compact, str(src)), reader, str(src))
             _check_unchanged(f, src, before)
             report.seconds = time.perf_counter() - t0
             report.output_bytes = sum(p.stat().st_size for p in tmp.iterdir())
@@ -403,7 +411,10 @@ def _write_shards(reader: GGUFReader, tmp: Path, compact: bool, max_shard_bytes:
     done = 0
     try:
         for i, t in enumerate(tensors):
-            c = convert_tensor(source.read(t) if source is not None else t, compact=compact)
+            try:
+                c = convert_tensor(source.read(t) if source is not None else t, compact=compact)
+            except NonFiniteError as e:
+                raise NonFiniteError(f"{source.path if source else 'GGUF'}: {e}") from None
             if shard is None or (shard.offset and shard.offset + c.nbytes > max_shard_bytes):
                 if shard is not None:
                     shard.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,8 +13,9 @@ from mlx.utils import tree_map_with_path
 from .errors import ModelFilesError
 from .model import DiffusionGemma, ModelArgs
 from .quantized import quantize_modules
+from .validate import check_model_dir, model_dir_shards
 
-REQUIRED_FILES = ("config.json", "tokenizer_gguf.json")
+REQUIRED_FILES = ("config.json", "tokenizer_gguf.json")  # checked by validate.check_model_dir
 
 
 def build_model(config: dict[str, Any]) -> DiffusionGemma:
@@ -47,18 +47,13 @@ def _cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
 
 
 def load_dir(path: Path, dtype: mx.Dtype = mx.float32) -> tuple[DiffusionGemma, dict]:
-    for name in REQUIRED_FILES:
-        if not (path / name).is_file():
-            raise ModelFilesError(f"{path}: {name} is missing; give a directory written by "
-                                  "`mlx-dgemma convert` (or a .gguf file)")
-    config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") != "diffusion_gemma":
-        raise ModelFilesError(f"{path / 'config.json'}: model_type is {config.get('model_type')!r}, "
-                              "expected 'diffusion_gemma'")
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        raise ModelFilesError(f"{path}: no .safetensors weights; convert the model again")
-    model = build_model(config)
+    config = check_model_dir(path)  # every file's keys, types, ranges and headers, before any work
+    shards = model_dir_shards(path)
+    try:
+        model = build_model(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelFilesError(f"{path / 'config.json'}: does not describe a buildable model ({e}); convert "
+                              "the model again") from e
     weights: list[tuple[str, mx.array]] = []
     for f in shards:
         weights.extend(mx.load(str(f)).items())

@@ -3,13 +3,13 @@ with renoising, StableAndConfident stopping (``generation_diffusion_gemma.py``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import mlx.core as mx
 
 from .errors import ParameterError
+from .validate import check_generation_field as check_field
 
 
 @dataclass(frozen=True)
@@ -63,42 +63,6 @@ class SamplerParams:
         if self.sc_top_k is not None and self.sc_top_k > vocab_size:
             raise ParameterError(f"sc_top_k = {self.sc_top_k}: must be at most the vocabulary size "
                                  f"({vocab_size})", param="sc_top_k", rule=f"an integer in [1, {vocab_size}]")
-
-
-# Temperatures divide logits softcapped to +-30: below 1e-3 (denormals included) the scaled
-# logits leave float32's range and the step computes NaN; above 1e3 every draw is uniform.
-_TEMPERATURE = (1e-3, 1e3)
-_RULES: dict[str, tuple[str, Any, Any, str]] = {  # name: (kind, low, high, rule text)
-    "max_denoising_steps": ("int", 1, 10_000, "an integer in [1, 10000]"),
-    "t_min": ("float", *_TEMPERATURE, "a temperature in [0.001, 1000]"),
-    "t_max": ("float", *_TEMPERATURE, "a temperature in [0.001, 1000]"),
-    "entropy_bound": ("float", 1e-12, 1e9, "a number > 0 (finite)"),
-    # the stopping history holds stability_threshold canvases: bounded like the steps
-    "stability_threshold": ("int", 0, 10_000, "an integer in [0, 10000]"),
-    "confidence_threshold": ("float", 1e-12, 1e9, "a number > 0 (finite)"),
-    "max_new_tokens": ("int", 1, 10_000_000, "an integer in [1, 10000000]"),
-    "pad_token_id": ("int", 0, 2**31 - 1, "a token id >= 0"),
-    "seed": ("int", 0, 2**64 - 1, "an integer in [0, 2**64 - 1]"),
-    "sc_top_k": ("int", 1, 2**31 - 1, "an integer >= 1 (leave it out for exact self-conditioning)"),
-}
-
-
-def check_field(name: str, value: Any) -> None:
-    """One generation parameter against its type and range (None is allowed for seed/sc_top_k)."""
-    if name == "eos_token_id":
-        ids = value if isinstance(value, (list, tuple)) else [value]
-        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids):
-            raise ParameterError(f"eos_token_id = {value!r}: must be a token id or a list of token ids",
-                                 param=name, rule="a token id or a list of token ids")
-        return
-    rule = _RULES.get(name)
-    if rule is None or (value is None and name in ("seed", "sc_top_k")):
-        return
-    kind, low, high, text = rule
-    ok_type = isinstance(value, int) if kind == "int" else isinstance(value, (int, float))
-    ok = ok_type and not isinstance(value, bool) and math.isfinite(value) and low <= value <= high
-    if not ok:
-        raise ParameterError(f"{name} = {value!r}: must be {text}", param=name, rule=text)
 
 
 def temperature(steps_left: int, p: SamplerParams) -> float:

@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Tokenizer as _Backend, decoders, normalizers,
 from tokenizers.models import BPE
 
 from .errors import ModelFilesError, ParameterError
+from .validate import check_tokenizer_data, read_json
 
 CONTROL, USER_DEFINED = 3, 4
 _SPACE = "\u2581"
@@ -60,7 +61,8 @@ def check_text(text: str, name: str = "prompt") -> None:
 class Tokenizer:
     """Encode/decode plus the special ids generation needs."""
 
-    def __init__(self, data: dict[str, Any], chat_template: str | None = None):
+    def __init__(self, data: dict[str, Any], chat_template: str | None = None, source: str = "tokenizer data"):
+        check_tokenizer_data(data, source)  # types, ids in range, merges of known tokens
         kind = data.get("tokenizer.ggml.model")
         tokens: list[str] = list(data["tokenizer.ggml.tokens"])
         types: list[int] = list(data.get("tokenizer.ggml.token_type") or [1] * len(tokens))
@@ -82,8 +84,11 @@ class Tokenizer:
         self.add_bos = bool(data.get("tokenizer.ggml.add_bos_token", True))
         self.chat_template = chat_template
         vocab = {t: i for i, t in enumerate(tokens)}
-        backend = _Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=tokens[self.unk_id],
-                               byte_fallback=True, dropout=None))
+        try:
+            backend = _Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=tokens[self.unk_id],
+                                   byte_fallback=True, dropout=None))
+        except Exception as e:  # the tokenizers backend raises its own exception type
+            raise ModelFilesError(f"{source}: the tokenizer cannot be built ({e}); convert the model again") from None
         backend.normalizer = normalizers.Replace(" ", _SPACE)
         backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous")
         backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
@@ -104,7 +109,7 @@ class Tokenizer:
         if not f.is_file():
             raise ModelFilesError(f"{path}: tokenizer_gguf.json is missing; convert the model again")
         tmpl = path / "chat_template.jinja"
-        return cls(json.loads(f.read_text()), tmpl.read_text() if tmpl.is_file() else None)
+        return cls(read_json(f), tmpl.read_text(encoding="utf-8") if tmpl.is_file() else None, source=str(f))
 
     def token_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
