@@ -151,12 +151,13 @@ class _Cursor:
     def string(self, what: str, decode: bool = True) -> str | None:
         n = self.unpack("<Q", what)
         self.need(n, what)
+        if not decode:
+            self.pos += n
+            return None
         raw = self.buf[self.pos:self.pos + n]
         self.pos += n
-        if not decode:
-            return None
         try:
-            return bytes(raw).decode("utf-8")
+            return raw.decode("utf-8")
         except UnicodeDecodeError:
             self.fail(f"{what} is not valid UTF-8")
         return None
@@ -175,11 +176,9 @@ def scan_gguf(path: Path, source: str | None = None, error: type[Exception] = Mo
         if size < 24:
             raise error(f"{source}: {size} bytes is too short for a GGUF header; the file is truncated")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            c = _Cursor(memoryview(mm), size, source, error)
-            try:
-                return _scan(c, size, error, expect_arch, GGML_QUANT_SIZES, GGMLQuantizationType)
-            finally:
-                c.buf.release()
+            # slices of an mmap are bytes copies: no exported buffer outlives an error
+            return _scan(_Cursor(mm, size, source, error), size, error, expect_arch, GGML_QUANT_SIZES,
+                         GGMLQuantizationType)
 
 
 def _scan(c: _Cursor, size: int, error, expect_arch, quant_sizes, qtypes) -> GGUFScan:
