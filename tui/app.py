@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
-from textual import work
 from textual.app import App
 
 from .engine import Engine, Job, ModelBackend
@@ -47,10 +47,11 @@ class DGemmaApp(App):
         self._engine_worker()
         self.engine.submit(Job("load"))
 
-    @work(thread=True, exclusive=True, group="engine")
     def _engine_worker(self) -> None:
-        """The one thread that runs MLX for the whole session (see engine.py)."""
-        self.engine.run()
+        """The one thread that runs MLX for the whole session (see engine.py). A daemon thread,
+        not a Textual thread worker: those run in asyncio's default executor, which the app's
+        exit joins, so a stuck load or template render would keep Ctrl+Q from quitting."""
+        threading.Thread(target=self.engine.run, name="mlx-dgemma-engine", daemon=True).start()
 
     def on_unmount(self) -> None:
         if self.engine is not None:
