@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except DGemmaError as e:
         if args.debug:
             raise
-        print(f"mlx-dgemma {args.command}: error: {e}", file=sys.stderr)
+        # one line whatever a file put in the message (names with newlines, control bytes)
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(e))
+        print(f"mlx-dgemma {args.command}: error: {text}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:
         if args.debug:

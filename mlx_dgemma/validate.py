@@ -580,6 +580,9 @@ def check_safetensors(path: Path) -> dict[str, dict]:
     entries = {k: v for k, v in header.items() if k != "__metadata__"}
     spans = []
     for name, e in entries.items():
+        if not name.isprintable():
+            raise ModelFilesError(f"{path}: tensor name {name!r} has control characters; the file is corrupt, "
+                                  "convert the model again")
         ok = isinstance(e, dict) and e.get("dtype") in _ST_DTYPES and isinstance(e.get("shape"), list) \
             and all(_is_int(d) and 0 <= d < 1 << 40 for d in e["shape"]) and len(e["shape"]) <= 8 \
             and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 \

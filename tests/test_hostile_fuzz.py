@@ -352,6 +352,11 @@ def test_tampered_converted_dir_sweep(base_dir, capsys, case):
     run_dir_case(base_dir, case, capsys)
 
 
+def test_found_by_the_sweep_control_character_in_a_tensor_name(base_dir, capsys):
+    """A byte flip that puts a newline into a safetensors tensor name: still one line."""
+    run_dir_case(base_dir, ("st", [(42, 10)]), capsys)
+
+
 def test_report_tally():
     """Prints how many generated cases ran and kept the promise (pytest -s shows it)."""
     tried = sum(t for t, _ in TALLY.values())
