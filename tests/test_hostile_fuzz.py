@@ -29,7 +29,7 @@ SEED = int(os.environ.get("MLX_DGEMMA_FUZZ_SEED", "0"))
 SLOW_EXAMPLES = 400
 CASE_SECONDS = 60  # a case taking longer is a hang
 
-TALLY: dict[str, list[int]] = {}  # family: [tried, clean (non-zero exit or success, promise kept)]
+TALLY: dict[str, list[int]] = {}  # family: [tried, clean (promise kept), refused (exit 2)]
 
 
 def _settings(n: int):
@@ -119,7 +119,7 @@ def run_convert_case(family: str, data: bytes, capsys) -> None:
         src.write_bytes(data)
         t0 = time.perf_counter()
         _watchdog()
-        tally = TALLY.setdefault(family, [0, 0])
+        tally = TALLY.setdefault(family, [0, 0, 0])
         tally[0] += 1
         code, line = promise(["convert", str(src), str(work / "out")], capsys, work, {"in.gguf"})
         faulthandler.cancel_dump_traceback_later()
@@ -128,6 +128,7 @@ def run_convert_case(family: str, data: bytes, capsys) -> None:
         if code == 2:
             assert str(src) in line or "in.gguf" in line, line  # the error names the file
         tally[1] += 1
+        tally[2] += code != 0
     finally:
         faulthandler.cancel_dump_traceback_later()
         shutil.rmtree(work, ignore_errors=True)
@@ -321,7 +322,7 @@ def run_dir_case(base: Path, case, capsys) -> None:
         d = work / "m"
         shutil.copytree(base, d)
         tamper_dir(d, case)
-        tally = TALLY.setdefault(f"dir-{case[0]}", [0, 0])
+        tally = TALLY.setdefault(f"dir-{case[0]}", [0, 0, 0])
         tally[0] += 1
         _watchdog()
         t0 = time.perf_counter()
@@ -332,6 +333,7 @@ def run_dir_case(base: Path, case, capsys) -> None:
         assert code in (0, 2), (code, line)
         capsys.readouterr()
         tally[1] += 1
+        tally[2] += code != 0
     finally:
         faulthandler.cancel_dump_traceback_later()
         shutil.rmtree(work, ignore_errors=True)
@@ -359,8 +361,8 @@ def test_found_by_the_sweep_control_character_in_a_tensor_name(base_dir, capsys)
 
 def test_report_tally():
     """Prints how many generated cases ran and kept the promise (pytest -s shows it)."""
-    tried = sum(t for t, _ in TALLY.values())
-    clean = sum(c for _, c in TALLY.values())
+    tried = sum(t[0] for t in TALLY.values())
+    clean = sum(t[1] for t in TALLY.values())
     print(f"\nhostile inputs: {tried} tried, {clean} clean " +
-          json.dumps({k: {"tried": t, "clean": c} for k, (t, c) in sorted(TALLY.items())}))
+          json.dumps({k: {"tried": t, "clean": c, "refused": r} for k, (t, c, r) in sorted(TALLY.items())}))
     assert clean == tried
