@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map_with_path
 
-from .errors import ModelFilesError
+from .errors import ModelFilesError, NonFiniteError
 from .model import DiffusionGemma, ModelArgs
 from .quantized import quantize_modules
 from .validate import check_model_dir, model_dir_shards
@@ -77,7 +77,10 @@ def load_gguf(path: Path, dtype: mx.Dtype = mx.float32, compact: bool = False,
     weights: list[tuple[str, mx.array]] = []
     tensors = list(reader.tensors)
     for i, t in enumerate(tensors):
-        c = convert_tensor(t, compact=compact)
+        try:
+            c = convert_tensor(t, compact=compact)
+        except NonFiniteError as e:  # name the file too
+            raise NonFiniteError(f"{path}: {e}") from None
         for name, a in c.arrays.items():
             arr = mx.array(a.view(np.uint16)).view(mx.bfloat16) if isinstance(a, BF16Payload) else mx.array(a)
             weights.append((name, arr))

@@ -132,18 +132,14 @@ def test_tensor_table(work, capsys, tiny_gguf, edit, expect):
 
 
 def test_nan_weight_is_named(work, capsys):
-    src = write_tiny_gguf(work / "m.gguf", TinySpec(), types="f32")
-    data = bytearray(src.read_bytes())
-    # the norm's data: find its offset in the tensor table and poison the first value
-    _, off = tensor_fields(bytes(data), "blk.1.attn_norm.weight")
-    (rel,) = struct.unpack_from("<Q", data, off)
     from mlx_dgemma.validate import scan_gguf
 
+    src = write_tiny_gguf(work / "m.gguf", TinySpec(), types="f32")
+    data = bytearray(src.read_bytes())
     start = next(t.offset for t in scan_gguf(src).tensors if t.name == "blk.1.attn_norm.weight")
     data[start:start + 4] = np.float32("nan").tobytes()
     src.write_bytes(bytes(data))
     convert_fails(work, src, capsys, "'blk.1.attn_norm.weight'", "NaN or Inf")
-    del rel
 
 
 def test_verify_against_another_model(work, capsys, tiny_model_dir):
@@ -263,3 +259,15 @@ def test_tampered_directory(work, capsys, tiny_model_dir, tiny_gguf, what):
     assert code == 2 and fname in line, line
     code, line = promise(["verify", str(d), str(tiny_gguf)], capsys, work, {"m"})
     assert code == 2 and fname in line, line
+
+
+def test_nan_weight_is_named_when_loading_a_gguf(work, capsys):
+    from mlx_dgemma.validate import scan_gguf
+
+    src = write_tiny_gguf(work / "m.gguf", TinySpec(), types="f32")
+    data = bytearray(src.read_bytes())
+    start = next(t.offset for t in scan_gguf(src).tensors if t.name == "output_norm.weight")
+    data[start:start + 4] = np.float32("inf").tobytes()
+    src.write_bytes(bytes(data))
+    code, line = promise(["generate", "--model", str(src), "--prompt", "hi"], capsys, work, {"m.gguf"})
+    assert code == 2 and str(src) in line and "'output_norm.weight'" in line and "NaN or Inf" in line
