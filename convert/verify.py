@@ -7,7 +7,6 @@ dropped). Values are compared as float32, row chunk by row chunk, so memory stay
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -14,7 +14,6 @@ library (already installed with mlx-lm); tests compare against transformers' own
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any

@@ -103,7 +103,6 @@ _SCALARS = {0: ("uint8", 1), 1: ("int8", 1), 2: ("uint16", 2), 3: ("int16", 2), 
             5: ("int32", 4), 6: ("float32", 4), 7: ("bool", 1), 10: ("uint64", 8), 11: ("int64", 8),
             12: ("float64", 8)}
 _STRING, _ARRAY = 8, 9
-_MAX_KEY = 65_535
 _MAX_DIMS = 4
 
 
