@@ -14,13 +14,14 @@ import mmap
 import os
 import resource
 import shutil
+import stat
 import struct
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 from gguf import GGUFReader
@@ -28,8 +29,10 @@ from gguf import GGUFReader
 from mlx_dgemma.paths import user_path
 
 from .errors import ConvertError
-from .metadata import (ARCH, TextConfig, array_len, field_value, generation_config, partial_rotary_factor,
-                       read_metadata)
+from ..errors import NonFiniteError, terminate_as_interrupt
+from ..validate import check_gguf_metadata, check_tokenizer_data, scan_gguf
+from .metadata import (ARCH, TextConfig, array_len, field_kinds, field_value, generation_config,
+                       partial_rotary_factor, read_metadata)
 from .names import mlx_name
 from .tensors import Converted, check_inventory, convert_tensor
 from .writer import ShardWriter, finalize_shard_names, header_reserve, write_index
@@ -100,20 +103,17 @@ class ConvertReport:
 
 def open_gguf(path: Path, architecture: str | None = ARCH) -> GGUFReader:
     """Open a GGUF memory-mapped, turning reader failures into one-line errors. A file of
-    another ``architecture`` is refused from its first keys, before the (slow) full parse;
-    ``architecture=None`` opens any GGUF."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConvertError(f"{path}: no such file; give the path of a DiffusionGemma .gguf file")
+    another ``architecture`` is refused from its first metadata key, before the (slow) full
+    parse; ``architecture=None`` opens any GGUF."""
+    path = user_path(path)
+    check_input_file(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ConvertError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
                            "download the .gguf model file itself")
-    arch = peek_architecture(path) if architecture is not None else None
-    if arch is not None and arch != architecture:  # before parsing the 262k-entry tokenizer arrays
-        raise ConvertError(f"{path}: general.architecture is {arch!r}, expected {architecture!r}; "
-                           "this tool converts DiffusionGemma GGUF files only")
+    # bounded pre-scan: counts checked against the file size before gguf-py allocates from them
+    scan_gguf(path, error=ConvertError, expect_arch=architecture)
     try:
         return GGUFReader(path, "r")
     except (ValueError, IndexError, OSError, struct.error, UnicodeDecodeError) as e:
@@ -161,6 +161,7 @@ def peek_architecture(path: Path, max_keys: int = 64) -> str | None:
 def model_metadata(reader: GGUFReader, source: str) -> tuple[dict, TextConfig]:
     """Metadata dict and text config, with the RoPE split read from ``rope_freqs``."""
     md = read_metadata(reader)
+    check_gguf_metadata(md, field_kinds(reader), source)
     vocab = array_len(reader, "tokenizer.ggml.tokens")
     if vocab is None:
         embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
@@ -211,47 +212,54 @@ def _estimate_output_bytes(reader: GGUFReader) -> int:
     return total
 
 
-def _write_side_files(tmp: Path, md: dict, cfg_json: dict, reader: GGUFReader) -> None:
+def _write_side_files(tmp: Path, md: dict, cfg_json: dict, reader: GGUFReader, source: str = "GGUF") -> None:
+    tok = tokenizer_payload(reader)
+    check_tokenizer_data(tok, f"{source}: tokenizer.ggml.*", cfg_json["text_config"]["vocab_size"])
     (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps(generation_config(md), indent=2) + "\n")
-    (tmp / TOKENIZER_FILE).write_text(json.dumps(tokenizer_payload(reader), ensure_ascii=False))
+    (tmp / TOKENIZER_FILE).write_text(json.dumps(tok, ensure_ascii=False))
     if "tokenizer.chat_template" in reader.fields:
         (tmp / "chat_template.jinja").write_text(str(field_value(reader, "tokenizer.chat_template")))
 
 
 def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False, force: bool = False,
             max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None) -> ConvertReport:
-    """Convert a DiffusionGemma GGUF into an MLX model directory (exact unless ``compact``)."""
+    """Convert a DiffusionGemma GGUF into an MLX model directory (exact unless ``compact``).
+
+    ``force`` replaces ``out_dir`` only if it is a directory an earlier conversion wrote; an
+    output that is, contains or lies inside the input is always refused.
+    """
     t0 = time.perf_counter()
     src, out = user_path(gguf_path), user_path(out_dir)
-    if out.exists() and not force:
-        raise ConvertError(f"{out}: output directory already exists; choose another path or pass "
-                           "--force to replace it")
-    reader = open_gguf(src)
+    if not (isinstance(max_shard_bytes, int) and max_shard_bytes >= 1):
+        raise ConvertError(f"max_shard_bytes = {max_shard_bytes!r}: must be a positive integer")
+    check_input_file(src)
+    parent = _check_output(src, out, force)
+    remove_stale_partials(parent, out.name)
+    reader = open_gguf(src, ARCH)
     md, cfg = model_metadata(reader, str(src))
-    parent = out.resolve().parent
-    existing = next(p for p in (parent, *parent.parents) if p.exists())  # parents are created below
-    if not existing.is_dir():
-        raise ConvertError(f"{existing}: not a directory, so the output {out} cannot be created there; "
-                           "choose another output path")
     need = _estimate_output_bytes(reader)
-    free = shutil.disk_usage(existing).free
-    if free < need:
-        raise ConvertError(f"{parent}: not enough disk space ({free / 1e9:.2f} GB free, the output "
-                           f"needs up to {need / 1e9:.2f} GB); free some space or choose another disk")
-    tmp = parent / f".{out.name}.partial-{os.getpid()}"
+    tmp = parent / f"{_tmp_prefix(out.name)}.partial-{os.getpid()}"
     report = ConvertReport(src, out, compact, input_bytes=src.stat().st_size)
     created = [p for p in (parent, *parent.parents) if not p.exists()]  # like mkdir -p; undone on failure
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-        specs = _write_shards(reader, tmp, compact, max_shard_bytes, progress, report)
-        _write_side_files(tmp, md, model_config(md, cfg, specs, compact, str(src)), reader)
-        report.seconds = time.perf_counter() - t0
-        report.output_bytes = sum(f.stat().st_size for f in tmp.iterdir())
-        report.peak_rss_bytes = _peak_rss()
-        (tmp / "conversion_report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-        _swap_into_place(tmp, out)
+        with open(src, "rb") as f, terminate_as_interrupt():
+            before = os.fstat(f.fileno())
+            parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            free = shutil.disk_usage(parent).free
+            if free < need:
+                raise ConvertError(f"{parent}: not enough disk space ({free / 1e9:.2f} GB free, the output "
+                                   f"needs up to {need / 1e9:.2f} GB); free some space or choose another disk")
+            specs = _write_shards(reader, tmp, compact, max_shard_bytes, progress, report,
+                                  TensorSource(f, src, before))
+            _write_side_files(tmp, md, model_config(md, cfg, specs, compact, str(src)), reader, str(src))
+            _check_unchanged(f, src, before)
+            report.seconds = time.perf_counter() - t0
+            report.output_bytes = sum(p.stat().st_size for p in tmp.iterdir())
+            report.peak_rss_bytes = _peak_rss()
+            (tmp / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+            _swap_into_place(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
@@ -275,12 +283,165 @@ def _remove_empty(dirs: list[Path]) -> None:
             break
 
 
+REPORT_FILE = "conversion_report.json"
+
+
+def check_input_file(src: Path) -> None:
+    """The input must be a readable regular file (not a directory, FIFO, device or link loop)."""
+    try:
+        st = src.stat()
+    except FileNotFoundError:
+        raise ConvertError(f"{src}: no such file; give the path of a DiffusionGemma .gguf file") from None
+    except OSError as e:  # symlink loops, permissions, names too long
+        raise ConvertError(f"{src}: cannot open the input ({e.strerror or e}); give the path of a "
+                           "DiffusionGemma .gguf file") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConvertError(f"{src}: is a directory, not a .gguf file; give the model file itself")
+    if not stat.S_ISREG(st.st_mode):
+        raise ConvertError(f"{src}: is not a regular file (a FIFO, socket or device); give a .gguf file "
+                           "saved on disk")
+    if not os.access(src, os.R_OK):
+        raise ConvertError(f"{src}: not readable (permission denied); fix its permissions")
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+        return True
+    except ValueError:
+        return False
+
+
+def _check_output(src: Path, out: Path, force: bool) -> Path:
+    """Refuse outputs that would overwrite the input or anything we did not write; returns the
+    (resolved) parent directory the output goes in."""
+    src_r, out_r = src.resolve(), out.resolve()
+    if out_r == src_r:
+        raise ConvertError(f"{out}: is the input file; choose a new directory for the output")
+    if _is_within(src_r, out_r):
+        raise ConvertError(f"{out}: contains the input file {src}; choose a new directory for the output")
+    if _is_within(out_r, src_r):
+        raise ConvertError(f"{out}: would be inside the input file {src}; choose a directory elsewhere")
+    name_max = 255
+    try:
+        name_max = os.pathconf(out_r.parent, "PC_NAME_MAX") if out_r.parent.is_dir() else 255
+    except (OSError, ValueError):
+        pass
+    if len(os.fsencode(out.name)) > name_max:
+        raise ConvertError(f"{out.name[:40]}...: output name too long ({len(os.fsencode(out.name))} bytes; "
+                           f"this file system allows {name_max}); choose a shorter name")
+    if out.is_symlink() or out.exists():
+        if not force:
+            raise ConvertError(f"{out}: output directory already exists; choose another path or pass "
+                               "--force to replace it")
+        if out.is_symlink() or not out.is_dir():
+            raise ConvertError(f"{out}: exists and is not a directory; --force only replaces a directory "
+                               "written by mlx-dgemma convert, remove it yourself if it should go")
+        if not is_converted_dir(out):
+            raise ConvertError(f"{out}: exists and was not written by mlx-dgemma convert (no "
+                               f"{REPORT_FILE}); --force only replaces our own output, choose another path")
+    parent = out_r.parent
+    existing = next(p for p in (parent, *parent.parents) if p.exists())  # missing parents are created
+    if not existing.is_dir():
+        raise ConvertError(f"{existing}: not a directory, so the output {out} cannot be created there; "
+                           "choose another output path")
+    return parent
+
+
+def is_converted_dir(path: Path) -> bool:
+    """A directory our converter wrote: its report and a config.json with our section."""
+    try:
+        cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    except (OSError, ValueError):
+        cfg = {}
+    return (path / REPORT_FILE).is_file() or (isinstance(cfg, dict) and "mlx_dgemma" in cfg)
+
+
+def _tmp_prefix(name: str) -> str:
+    # short enough that ".NAME.partial-PID" fits wherever NAME itself does
+    return f".{name[:200]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def remove_stale_partials(parent: Path, name: str) -> list[Path]:
+    """Remove ``.NAME.partial-PID`` / ``.NAME.old-PID`` left by conversions that died (kill -9,
+    power loss); a live process's temporaries are left alone."""
+    removed = []
+    prefix = _tmp_prefix(name)
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        head, sep, pid = p.name.rpartition("-")
+        if not sep or not pid.isdigit() or head not in (f"{prefix}.partial", f"{prefix}.old"):
+            continue
+        if int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+@dataclass
+class TensorSource:
+    """Reads tensor bytes with ``read`` instead of through the memory map: a file cut short by
+    another process then gives a short read (an error) instead of SIGBUS."""
+
+    file: Any
+    path: Path
+    stat: os.stat_result
+
+    def read(self, t) -> "_ReadTensor":
+        n, off = int(t.n_bytes), int(t.data_offset)
+        buf = np.empty(n, dtype=np.uint8)
+        view, got = memoryview(buf), 0
+        self.file.seek(off)
+        while got < n:
+            k = self.file.readinto(view[got:])
+            if not k:
+                raise ConvertError(f"{self.path}: the file changed during conversion (tensor {t.name!r} "
+                                   f"ends at byte {off + n}, the file now has {os.fstat(self.file.fileno()).st_size}); "
+                                   "nothing was kept, convert again once the file is complete")
+            got += k
+        like = t.data
+        return _ReadTensor(t.name, t.shape, t.tensor_type, t.n_bytes, t.data_offset,
+                           buf.view(like.dtype).reshape(like.shape))
+
+
+@dataclass
+class _ReadTensor:
+    name: str
+    shape: Any
+    tensor_type: Any
+    n_bytes: int
+    data_offset: int
+    data: np.ndarray
+
+
+def _check_unchanged(f, src: Path, before: os.stat_result) -> None:
+    now = os.fstat(f.fileno())
+    if (now.st_size, now.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        raise ConvertError(f"{src}: the file changed during conversion (size {before.st_size} -> "
+                           f"{now.st_size}); nothing was kept, convert again once the file is complete")
+
+
 def _swap_into_place(tmp: Path, out: Path) -> None:
-    if out.exists():  # --force: keep the old output until the new one is complete
-        trash = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():  # --force (checked: our own output): keep it until the new one is complete
+        trash = out.parent / f"{_tmp_prefix(out.name)}.old-{os.getpid()}"
         os.replace(out, trash)
         os.replace(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True) if trash.is_dir() else trash.unlink()
+        shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, out)
 
@@ -291,7 +452,7 @@ def _peak_rss() -> int:
 
 
 def _write_shards(reader: GGUFReader, tmp: Path, compact: bool, max_shard_bytes: int,
-                  progress: Progress | None, report: ConvertReport) -> dict:
+                  progress: Progress | None, report: ConvertReport, source: "TensorSource | None" = None) -> dict:
     tensors = list(reader.tensors)
     total_bytes = sum(int(t.n_bytes) for t in tensors)
     names = [n for t in tensors for n in _planned_names(t)]
@@ -303,7 +464,10 @@ def _write_shards(reader: GGUFReader, tmp: Path, compact: bool, max_shard_bytes:
     done = 0
     try:
         for i, t in enumerate(tensors):
-            c = convert_tensor(t, compact=compact)
+            try:
+                c = convert_tensor(source.read(t) if source is not None else t, compact=compact)
+            except NonFiniteError as e:
+                raise NonFiniteError(f"{source.path if source else 'GGUF'}: {e}") from None
             if shard is None or (shard.offset and shard.offset + c.nbytes > max_shard_bytes):
                 if shard is not None:
                     shard.close()

@@ -55,6 +55,24 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {k: field_value(reader, k) for k in reader.fields if not k.startswith("GGUF.")}
 
 
+_TYPE_NAMES = {GGUFValueType.UINT8: "uint8", GGUFValueType.INT8: "int8", GGUFValueType.UINT16: "uint16",
+               GGUFValueType.INT16: "int16", GGUFValueType.UINT32: "uint32", GGUFValueType.INT32: "int32",
+               GGUFValueType.FLOAT32: "float32", GGUFValueType.BOOL: "bool", GGUFValueType.STRING: "string",
+               GGUFValueType.UINT64: "uint64", GGUFValueType.INT64: "int64", GGUFValueType.FLOAT64: "float64"}
+
+
+def field_kinds(reader: GGUFReader) -> dict[str, tuple[str, str | None, int]]:
+    """key -> (value type, array item type or None, item count), for validation."""
+    out = {}
+    for k, f in reader.fields.items():
+        if f.types and f.types[0] == GGUFValueType.ARRAY:
+            item = _TYPE_NAMES.get(f.types[-1], "array") if len(f.types) > 1 else "uint8"
+            out[k] = ("array", item, len(f.data))
+        elif f.types:
+            out[k] = (_TYPE_NAMES.get(f.types[0], "unknown"), None, 1)
+    return out
+
+
 def array_len(reader: GGUFReader, key: str) -> int | None:
     f = reader.fields.get(key)
     return None if f is None else len(f.data)

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
+from ..errors import NonFiniteError
 from .errors import ConvertError
 from .names import expected_tensors, mlx_name
 from .metadata import TextConfig
@@ -117,9 +118,11 @@ def convert_tensor(t, compact: bool = False) -> Converted:
     if qtype in FLOAT_TYPES:
         if qtype == T.BF16:
             arr = np.ascontiguousarray(raw).view(np.uint16).reshape(shape)
+            _check_finite(t.name, (arr & 0x7F80) != 0x7F80)  # exponent all ones: Inf or NaN
             arrays = {path: BF16Payload(arr)}
         else:
             arrays = {path: np.ascontiguousarray(raw, dtype=FLOAT_TYPES[qtype]).reshape(shape)}
+            _check_finite(t.name, np.isfinite(arrays[path]))
         return Converted(t.name, qtype.name, arrays, None, n_el, int(t.n_bytes))
 
     fmt = FORMATS[qtype]
@@ -152,6 +155,8 @@ def convert_tensor(t, compact: bool = False) -> Converted:
                 exact = dequantize_affine(a.weight, a.scales, a.biases, bits)
                 lossy = dequantize_affine(a.weight, a.scales.astype(np.float16), a.biases.astype(np.float16), bits)
                 err = max(err, float(np.abs(lossy - exact).max(initial=0.0)))
+    _check_finite(t.name, np.isfinite(s_out), "scales")
+    _check_finite(t.name, np.isfinite(b_out), "offsets")
     if compact:
         scale_dtype = np.float16
     else:
@@ -164,6 +169,14 @@ def convert_tensor(t, compact: bool = False) -> Converted:
     }
     spec = QuantSpec(bits, 32, np.dtype(scale_dtype).name, subblock, qtype.name)
     return Converted(t.name, qtype.name, arrays, spec, n_el, int(t.n_bytes), err)
+
+
+def _check_finite(name: str, finite: np.ndarray, what: str = "values") -> None:
+    """NaN/Inf in a weight is an error naming the tensor (it would give blank answers later)."""
+    if not finite.all():
+        bad = int(finite.size - np.count_nonzero(finite))
+        raise NonFiniteError(f"tensor {name!r}: {bad} of {finite.size} {what} are NaN or Inf; the file is "
+                             "corrupt, download it again")
 
 
 class BF16Payload(np.ndarray):

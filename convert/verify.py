@@ -7,7 +7,6 @@ dropped). Values are compared as float32, row chunk by row chunk, so memory stay
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +18,10 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from mlx_dgemma.paths import user_path
 
-from .converter import open_gguf
+from ..validate import check_model_dir, check_safetensors, model_dir_shards
+from .converter import model_metadata, open_gguf
 from .errors import ConvertError
+from .metadata import ARCH, TextConfig
 from .names import mlx_name
 from .quants import unpad_subblocks
 
@@ -31,12 +32,14 @@ _CHUNK_ELEMENTS = 1 << 22
 
 def open_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Memory-mapped arrays of one safetensors file (bfloat16 stays raw uint16)."""
+    header = check_safetensors(path)  # bounded, typed, inside the file
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
     out = {}
     for name, e in header.items():
+        if e["dtype"] not in _ST_DTYPES:
+            raise ConvertError(f"{path}: tensor {name!r} has dtype {e['dtype']}, which mlx-dgemma never "
+                               "writes; convert the model again")
         dtype = np.dtype(_ST_DTYPES[e["dtype"]])
         a, b = e["data_offsets"]
         count = (b - a) // dtype.itemsize
@@ -45,21 +48,36 @@ def open_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def open_model_dir(model_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """(config, lazily mapped weights) of a converted directory."""
-    model_dir = Path(model_dir)
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.is_file():
+    """(config, lazily mapped weights) of a converted directory, validated first (the same
+    checks ``load`` runs: config, shards listed by the index and no others, headers)."""
+    model_dir = Path(model_dir).expanduser()
+    if not (model_dir / "config.json").is_file():
         raise ConvertError(f"{model_dir}: no config.json; give a directory written by mlx-dgemma convert")
-    config = json.loads(cfg_path.read_text())
-    index = model_dir / "model.safetensors.index.json"
-    files = sorted({*json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
-        else [p.name for p in sorted(model_dir.glob("*.safetensors"))]
+    config = check_model_dir(model_dir)
     weights: dict[str, np.ndarray] = {}
-    for f in files:
-        if not (model_dir / f).is_file():
-            raise ConvertError(f"{model_dir / f}: shard listed in the index is missing; convert again")
-        weights.update(open_safetensors(model_dir / f))
+    for f in model_dir_shards(model_dir):
+        weights.update(open_safetensors(f))
     return config, weights
+
+
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "num_global_key_value_heads", "head_dim", "global_head_dim",
+               "vocab_size", "num_experts", "top_k_experts", "moe_intermediate_size", "layer_types")
+
+
+def check_same_model(config: dict, gguf_cfg: TextConfig, model_dir: Path, gguf_path: Path) -> None:
+    """The directory was converted from a model of this GGUF's architecture and shapes."""
+    ours, theirs = config.get("text_config", {}), gguf_cfg.to_dict()
+    for k in _SHAPE_KEYS:
+        if ours.get(k) != theirs.get(k):
+            raise ConvertError(f"{model_dir}: converted from a different model than {gguf_path} (text_config.{k} "
+                               f"is {_short(ours.get(k))} here, {_short(theirs.get(k))} in the GGUF); verify "
+                               "against the GGUF it was converted from")
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 @dataclass
@@ -85,7 +103,9 @@ def verify(model_dir: str | Path, gguf_path: str | Path,
            progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
     """Compare every tensor of ``model_dir`` with the GGUF it was converted from."""
     config, weights = open_model_dir(user_path(model_dir))
-    reader = open_gguf(user_path(gguf_path))
+    reader = open_gguf(user_path(gguf_path), ARCH)
+    _, gguf_cfg = model_metadata(reader, str(gguf_path))  # architecture, tensor names and shapes first
+    check_same_model(config, gguf_cfg, user_path(model_dir), user_path(gguf_path))
     quant = config.get("quantization", {})
     report = VerifyReport()
     tensors = list(reader.tensors)

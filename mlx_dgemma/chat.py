@@ -4,6 +4,8 @@ parsing of answers into thought channel and visible text."""
 from __future__ import annotations
 
 import re
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -34,35 +36,131 @@ def _raise(message: str):
     raise ParameterError(f"chat template: {message}")
 
 
+# Rendering budget: a template is data from a downloaded file, so it runs sandboxed and bounded
+# (a normal chat prompt renders in milliseconds and a few loop iterations per message).
+RENDER_SECONDS = 2.0
+RENDER_CHARS = 4_000_000
+RENDER_ITERATIONS = 1_000_000  # items of every range() and repeated sequence, summed
+_budget = threading.local()
+
+
+def _over_budget(what: str) -> None:
+    raise ParameterError(f"chat template: rendering exceeded its budget ({what}); the template loops too "
+                         "much, fix or remove it")
+
+
+def _tick(n: int = 0) -> None:
+    b = getattr(_budget, "state", None)
+    if b is None:
+        return
+    if n:
+        b[1] += n
+        if b[1] > RENDER_ITERATIONS:
+            _over_budget(f"more than {RENDER_ITERATIONS:,} loop iterations")
+    if time.perf_counter() > b[0]:
+        _over_budget(f"{RENDER_SECONDS:g} s")
+
+
+def _sized(n: Any) -> int:
+    return len(n) if isinstance(n, (str, list, tuple)) else 0
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str):
     # The environment transformers uses for chat templates (sandboxed, trim/lstrip blocks,
-    # loop controls, tojson, raise_exception, strftime_now).
+    # loop controls, tojson, raise_exception, strftime_now), with a budget on every attribute,
+    # item, call, range and repetition, so a hostile template cannot hang or exhaust memory.
     from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class BudgetedEnvironment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            _tick()
+            if operator == "*" and (_sized(left) or _sized(right)):
+                count = right if _sized(left) else left
+                if isinstance(count, int) and count > 0:
+                    _tick(count * max(1, _sized(left) or _sized(right)) // 64 + count)
+            if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+                _over_budget("an exponent above 1024")
+            return super().call_binop(context, operator, left, right)
+
+        def getattr(self, obj, attribute):
+            _tick()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            _tick()
+            return super().getitem(obj, argument)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+            _tick()
+            return super().call(__context, __obj, *args, **kwargs)
+
+    def budgeted_range(*args: int):
+        r = safe_range(*args)
+        _tick(len(r))
+        return r
+
+    env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, separators=None, sort_keys=False: \
         __import__("json").dumps(x, indent=indent, ensure_ascii=ensure_ascii, separators=separators,
                                  sort_keys=sort_keys)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["range"] = budgeted_range
     return env.from_string(template)
+
+
+def _render(template: str, **variables: Any) -> str:
+    """Render within the budget; template errors become one-line ParameterErrors."""
+    from jinja2 import TemplateError
+
+    try:
+        compiled = _compile(template)
+    except TemplateError as e:
+        raise ParameterError(f"chat template: does not compile ({e.__class__.__name__}"
+                             f"{f' at line {e.lineno}' if getattr(e, 'lineno', None) else ''}: {e}); fix or "
+                             "remove it") from None
+    _budget.state = [time.perf_counter() + RENDER_SECONDS, 0]
+    out: list[str] = []
+    size = 0
+    try:
+        for chunk in compiled.generate(**variables):
+            size += len(chunk)
+            if size > RENDER_CHARS:
+                _over_budget(f"more than {RENDER_CHARS:,} characters of output")
+            out.append(chunk)
+            _tick()
+    except ParameterError:
+        raise
+    except TemplateError as e:
+        raise ParameterError(f"chat template: {e.__class__.__name__}: {e}; fix or remove it") from None
+    except (RecursionError, MemoryError, OverflowError) as e:
+        _over_budget(e.__class__.__name__)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError) as e:
+        raise ParameterError(f"chat template: fails on these messages ({e.__class__.__name__}: {e}); fix or "
+                             "remove it") from None
+    finally:
+        _budget.state = None
+    return "".join(out)
 
 
 def render_chat(messages: list[dict[str, Any]], template: str | None = None, *,
                 add_generation_prompt: bool = True, enable_thinking: bool = False,
                 bos_token: str = "<bos>", eos_token: str = "<eos>", tools: list[dict] | None = None,
                 documents: list[dict] | None = None, **extra: Any) -> str:
-    """Render ``messages`` ([{'role', 'content'}]) into the prompt text."""
+    """Render ``messages`` ([{'role', 'content'}]) into the prompt text (sandboxed, with a
+    budget of time, loop iterations and output size)."""
     if not messages:
         raise ParameterError("messages: empty; give at least one {'role': 'user', 'content': ...}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ParameterError(f"messages[{i}]: expected a dict with 'role' and 'content'")
-    return _compile(template or DEFAULT_TEMPLATE).render(
-        messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-        enable_thinking=enable_thinking, bos_token=bos_token, eos_token=eos_token, **extra)
+    return _render(template or DEFAULT_TEMPLATE,
+                   messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+                   enable_thinking=enable_thinking, bos_token=bos_token, eos_token=eos_token, **extra)
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import DGemmaError
+from .errors import DGemmaError, Terminated, terminate_as_interrupt
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .convert.converter import convert
     from .progress import ProgressBar
 
+    import math
+
+    from .errors import ParameterError
+
+    if not (math.isfinite(args.max_shard_gb) and 0.001 <= args.max_shard_gb <= 1e6):
+        raise ParameterError(f"--max-shard-gb {args.max_shard_gb}: must be a number of GB in [0.001, 1e6]")
     bar = ProgressBar("converting")
     report = convert(args.gguf, args.out_dir, compact=args.compact, force=args.force,
                      max_shard_bytes=int(args.max_shard_gb * 1e9),
@@ -93,17 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C
+            return int(args.func(args) or 0)
     except DGemmaError as e:
         if args.debug:
             raise
-        print(f"mlx-dgemma {args.command}: error: {e}", file=sys.stderr)
+        # one line whatever a file put in the message (names with newlines, control bytes)
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(e))
+        print(f"mlx-dgemma {args.command}: error: {text}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if args.debug:
             raise
         print(f"mlx-dgemma {args.command}: interrupted; nothing partial was kept", file=sys.stderr)
-        return 130
+        return 128 + e.signum if isinstance(e, Terminated) else 130
 
 
 if __name__ == "__main__":  # pragma: no cover

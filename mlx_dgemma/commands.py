@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 DEMO_HELP = "a small built-in model with random weights (shows the mechanics, not real text)"
@@ -33,15 +35,38 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
                    help="activation dtype of fast precision (default: bfloat16 on a GPU, float32 on the CPU)")
 
 
-# The flag a user typed for each sampler parameter, so errors name it.
-SAMPLER_FLAGS = {"max_new_tokens": "--max-tokens", "max_denoising_steps": "--steps", "t_min": "--t-min",
-                 "t_max": "--t-max", "entropy_bound": "--entropy-bound",
-                 "stability_threshold": "--stability-threshold", "confidence_threshold": "--confidence-threshold",
-                 "sc_top_k": "--sc-top-k", "seed": "--seed"}
+# generation parameter -> the flag that sets it (errors name what the user typed)
+FLAGS = {"max_new_tokens": "--max-tokens", "max_denoising_steps": "--steps", "t_min": "--t-min",
+         "t_max": "--t-max", "entropy_bound": "--entropy-bound", "stability_threshold": "--stability-threshold",
+         "confidence_threshold": "--confidence-threshold", "sc_top_k": "--sc-top-k", "seed": "--seed"}
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in SAMPLER_FLAGS if getattr(args, k, None) is not None}
+    """The sampler flags given, checked one by one (range, finiteness) before any loading."""
+    from .sampler import check_field
+
+    out = {k: getattr(args, k) for k in FLAGS if getattr(args, k, None) is not None}
+    for k, v in out.items():
+        with flag_errors(out):
+            check_field(k, v)
+    return out
+
+
+@contextmanager
+def flag_errors(overrides: dict[str, Any]) -> Iterator[None]:
+    """Restate a ParameterError about a generation parameter set by a flag with the flag's name."""
+    from .errors import ParameterError
+
+    try:
+        yield
+    except ParameterError as e:
+        if e.param not in overrides or not e.rule:
+            raise
+        raise ParameterError(f"{FLAGS[e.param]} {overrides[e.param]!r}: must be {e.rule}",
+                             param=e.param, rule=e.rule) from e
+
+
+SAMPLER_FLAGS = FLAGS  # the name the TUI and tests use
 
 
 def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | None = None) -> None:
@@ -98,9 +123,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .generation import BlockEvent, DoneEvent, PrefillEvent, StepEvent, stream_generate
 
     from .text import printable
+    from .tokenizer import check_text
+    from .trace import check_trace_path
 
     overrides = sampler_overrides(args)
     check_sampler_flags({k: v for k, v in overrides.items() if k not in ("t_min", "t_max")})  # before loading
+    check_text(args.prompt, "--prompt")
+    if args.trace:
+        check_trace_path(args.trace, "--trace")
     model, tokenizer = load_for_cli(args.model, args.demo, args.dtype, args.precision)
     gen_cfg = getattr(model, "generation_config", None)
     check_sampler_flags(overrides, gen_cfg)  # against the model's own defaults
@@ -115,6 +145,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from .trace import Trace
 
         trace = Trace()
+    with flag_errors(overrides):  # the flags against the model's config and vocabulary, before any work
+        from .sampler import SamplerParams
+
+        SamplerParams.from_config(gen_cfg, **overrides).check_model(model.args.vocab_size)
     for ev in stream_generate(model, tokenizer, args.prompt, generation_config=gen_cfg,
                               enable_thinking=args.think, chat=not args.raw, **overrides):
         if isinstance(ev, PrefillEvent) and not args.json:

@@ -1,6 +1,13 @@
 """Errors a user can act on: each prints as one line (file, tensor or parameter; what was
 expected; what to do) and exits non-zero without a traceback unless --debug is given."""
 
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class DGemmaError(Exception):
     """Base class of every user-facing error."""
@@ -13,12 +20,43 @@ class ModelFilesError(DGemmaError):
 
 
 class ParameterError(DGemmaError, ValueError):
-    """A parameter value is out of its allowed range.
+    """A parameter value is out of its allowed range. ``param`` (the field name) and ``rule``
+    (what is allowed) let a front end restate the error with its own name, e.g. a CLI flag."""
 
-    ``name`` (the API's parameter name) and ``rule`` (what it must be), when set, let the CLI
-    and the TUI restate the error with the flag or label the user actually typed.
-    """
-
-    def __init__(self, message: str, name: str | None = None, rule: str | None = None):
+    def __init__(self, message: str, param: str | None = None, rule: str | None = None, *,
+                 name: str | None = None):
         super().__init__(message)
-        self.name, self.rule = name, rule
+        self.param = param or name
+        self.name, self.rule = self.param, rule  # ``name``: the same field (older spelling)
+
+
+class NonFiniteError(DGemmaError):
+    """NaN or Inf where numbers must be finite: a weight (named) or the logits of a step (named)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM/SIGHUP turned into an interrupt, so the same clean-up runs as for Ctrl+C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt (with ``signum``) like Ctrl+C, so the same
+    clean-up runs; only in the main thread (where Python delivers signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+
+    sigs = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
+    old = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

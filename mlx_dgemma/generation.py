@@ -19,7 +19,7 @@ import numpy as np
 
 from .cache import KVCache
 from .chat import ParsedAnswer, parse_answer, render_chat
-from .errors import ParameterError
+from .errors import NonFiniteError, ParameterError
 from .model import DiffusionGemma
 from .sampler import SamplerParams, finalize_block, temperature
 from .step import StepFunction
@@ -126,7 +126,10 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
         temp = temperature(left, params)
         out = step_fn(canvas, sc_logits, temp, sub, history, cache)
         mx.eval(out["canvas"], out["argmax"], out["accepted"], out["entropy"], out["processed"], out["stop"],
-                out["history"])
+                out["history"], out["finite"])
+        if not out["finite"].item():
+            raise NonFiniteError(f"block {block + 1}, step {i}: the model's logits are NaN or Inf; the weights "
+                                 "or the dtype overflow (try --dtype float32, or convert the model again)")
         canvas, argmax, sc_logits, history = out["canvas"], out["argmax"], out["processed"], out["history"]
         entropy = np.array(out["entropy"][0])
         stopped = bool(out["stop"][0].item())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -10,12 +9,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .errors import ModelFilesError
+from .errors import ModelFilesError, NonFiniteError
 from .model import DiffusionGemma, ModelArgs
 from .precision import Precision, apply_precision, resolve_precision
 from .quantized import quantize_modules
+from .validate import check_model_dir, model_dir_shards
 
-REQUIRED_FILES = ("config.json", "tokenizer_gguf.json")
+REQUIRED_FILES = ("config.json", "tokenizer_gguf.json")  # checked by validate.check_model_dir
 
 
 def build_model(config: dict[str, Any]) -> DiffusionGemma:
@@ -34,18 +34,13 @@ def _load_weights(model: nn.Module, weights: list[tuple[str, mx.array]], source:
 
 def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[DiffusionGemma, dict]:
     """A converted directory, loaded exactly and then put in ``precision``'s runtime form."""
-    for name in REQUIRED_FILES:
-        if not (path / name).is_file():
-            raise ModelFilesError(f"{path}: {name} is missing; give a directory written by "
-                                  "`mlx-dgemma convert` (or a .gguf file)")
-    config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") != "diffusion_gemma":
-        raise ModelFilesError(f"{path / 'config.json'}: model_type is {config.get('model_type')!r}, "
-                              "expected 'diffusion_gemma'")
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        raise ModelFilesError(f"{path}: no .safetensors weights; convert the model again")
-    model = build_model(config)
+    config = check_model_dir(path)  # every file's keys, types, ranges and headers, before any work
+    shards = model_dir_shards(path)
+    try:
+        model = build_model(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelFilesError(f"{path / 'config.json'}: does not describe a buildable model ({e}); convert "
+                              "the model again") from e
     weights: list[tuple[str, mx.array]] = []
     for f in shards:
         weights.extend(mx.load(str(f)).items())
@@ -69,7 +64,10 @@ def load_gguf(path: Path, precision: Precision | str = "exact", compact: bool = 
     weights: list[tuple[str, mx.array]] = []
     tensors = list(reader.tensors)
     for i, t in enumerate(tensors):
-        c = convert_tensor(t, compact=compact)
+        try:
+            c = convert_tensor(t, compact=compact)
+        except NonFiniteError as e:  # name the file too
+            raise NonFiniteError(f"{path}: {e}") from None
         for name, a in c.arrays.items():
             arr = mx.array(a.view(np.uint16)).view(mx.bfloat16) if isinstance(a, BF16Payload) else mx.array(a)
             weights.append((name, arr))

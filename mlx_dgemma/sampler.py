@@ -9,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 
 from .errors import ParameterError
+from .validate import check_generation_field as check_field
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class SamplerParams:
         base.update({k: v for k, v in overrides.items() if v is not None})
         if isinstance(base.get("eos_token_id"), int):
             base["eos_token_id"] = (base["eos_token_id"],)
-        if "eos_token_id" in base:
+        if isinstance(base.get("eos_token_id"), list):
             base["eos_token_id"] = tuple(base["eos_token_id"])
         p = cls(**base)
         p.validate()
@@ -49,26 +50,19 @@ class SamplerParams:
         return p
 
     def validate(self) -> None:
-        def bad(name: str, rule: str):
-            raise ParameterError(f"{name} = {getattr(self, name)!r}: must be {rule}", name, rule)
-
-        if not isinstance(self.max_denoising_steps, int) or not 1 <= self.max_denoising_steps <= 10_000:
-            bad("max_denoising_steps", "an integer in [1, 10000]")
-        if not 0 < self.t_min:
-            bad("t_min", "> 0")
+        """Check every field (types, finite ranges) and the schedule; ParameterError names the field."""
+        for f in fields(self):
+            check_field(f.name, getattr(self, f.name))
         if not self.t_max > self.t_min:
-            bad("t_max", f"above t_min = {self.t_min!r}: the schedule falls from t_max to t_min "
-                         "(defaults 0.8 and 0.4)")
-        if not self.entropy_bound > 0:
-            bad("entropy_bound", "> 0")
-        if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
-            bad("stability_threshold", "an integer >= 0")
-        if not self.confidence_threshold > 0:
-            bad("confidence_threshold", "> 0")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            bad("max_new_tokens", "an integer >= 1")
-        if self.sc_top_k is not None and (not isinstance(self.sc_top_k, int) or self.sc_top_k < 1):
-            bad("sc_top_k", "an integer >= 1 (or None for exact self-conditioning)")
+            raise ParameterError(f"t_min = {self.t_min!r}, t_max = {self.t_max!r}: the schedule needs "
+                                 "0 < t_min < t_max (defaults 0.4 and 0.8)", param="t_max",
+                                 rule="greater than t_min")
+
+    def check_model(self, vocab_size: int) -> None:
+        """Checks that need the model: ``sc_top_k`` at most the vocabulary."""
+        if self.sc_top_k is not None and self.sc_top_k > vocab_size:
+            raise ParameterError(f"sc_top_k = {self.sc_top_k}: must be at most the vocabulary size "
+                                 f"({vocab_size})", param="sc_top_k", rule=f"an integer in [1, {vocab_size}]")
 
 
 def temperature(steps_left: int, p: SamplerParams) -> float:

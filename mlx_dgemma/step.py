@@ -16,7 +16,7 @@ from .cache import KVCache
 from .model import DiffusionGemma
 from .sampler import SamplerParams, initial_history, sample_step, stop_update
 
-OUTPUTS = ("canvas", "argmax", "accepted", "entropy", "processed", "stop", "history")
+OUTPUTS = ("canvas", "argmax", "accepted", "entropy", "processed", "stop", "history", "finite")
 
 
 class StepFunction:
@@ -24,6 +24,7 @@ class StepFunction:
 
     def __init__(self, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype | None = None,
                  compile: bool = True):
+        params.check_model(model.args.vocab_size)
         self.model, self.params = model, params
         self.dtype = dtype or getattr(model, "activation_dtype", mx.float32)  # the runtime precision's activations
         self.compiled = compile
@@ -46,8 +47,10 @@ class StepFunction:
             out = sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key)
             stop, new_history = stop_update(history, out["argmax"], out["entropy"], p.stability_threshold,
                                             p.confidence_threshold)
+            # one flag in the same graph (no extra sync): NaN/Inf logits become an error, not a blank answer
+            finite = mx.all(mx.isfinite(logits))
             return (out["canvas"], out["argmax"], out["accepted"], out["entropy"], out["processed"], stop,
-                    new_history)
+                    new_history, finite)
 
         return body
 

@@ -14,7 +14,6 @@ library (already installed with mlx-lm); tests compare against transformers' own
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,8 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer as _Backend, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-from .errors import ModelFilesError
+from .errors import ModelFilesError, ParameterError
+from .validate import check_tokenizer_data, read_json
 
 CONTROL, USER_DEFINED = 3, 4
 _SPACE = "\u2581"
@@ -47,10 +47,21 @@ def merges_from_vocab(tokens: Sequence[str]) -> list[tuple[str, str]]:
     return [(left, right) for left, right, _ in merges]
 
 
+def check_text(text: str, name: str = "prompt") -> None:
+    """Text must be encodable UTF-8: undecodable bytes (argv, files) arrive as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise ParameterError(f"{name}: not valid UTF-8 (byte {bad!r} at character {e.start}); give the "
+                             "text in UTF-8", param=name, rule="UTF-8 text") from None
+
+
 class Tokenizer:
     """Encode/decode plus the special ids generation needs."""
 
-    def __init__(self, data: dict[str, Any], chat_template: str | None = None):
+    def __init__(self, data: dict[str, Any], chat_template: str | None = None, source: str = "tokenizer data"):
+        check_tokenizer_data(data, source)  # types, ids in range, merges of known tokens
         kind = data.get("tokenizer.ggml.model")
         tokens: list[str] = list(data["tokenizer.ggml.tokens"])
         types: list[int] = list(data.get("tokenizer.ggml.token_type") or [1] * len(tokens))
@@ -72,8 +83,11 @@ class Tokenizer:
         self.add_bos = bool(data.get("tokenizer.ggml.add_bos_token", True))
         self.chat_template = chat_template
         vocab = {t: i for i, t in enumerate(tokens)}
-        backend = _Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=tokens[self.unk_id],
-                               byte_fallback=True, dropout=None))
+        try:
+            backend = _Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=tokens[self.unk_id],
+                                   byte_fallback=True, dropout=None))
+        except Exception as e:  # the tokenizers backend raises its own exception type
+            raise ModelFilesError(f"{source}: the tokenizer cannot be built ({e}); convert the model again") from None
         backend.normalizer = normalizers.Replace(" ", _SPACE)
         backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous")
         backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
@@ -94,12 +108,13 @@ class Tokenizer:
         if not f.is_file():
             raise ModelFilesError(f"{path}: tokenizer_gguf.json is missing; convert the model again")
         tmpl = path / "chat_template.jinja"
-        return cls(json.loads(f.read_text()), tmpl.read_text() if tmpl.is_file() else None)
+        return cls(read_json(f), tmpl.read_text(encoding="utf-8") if tmpl.is_file() else None, source=str(f))
 
     def token_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        check_text(text)
         ids = self._backend.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else ids
 

@@ -4,12 +4,30 @@ lines (one record per step). Used by the TUI's replay/export and ``generate --tr
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .errors import ParameterError
 from .generation import StepEvent
 from .paths import user_path
+
+
+def check_trace_path(path: str | Path, name: str = "trace") -> Path:
+    """A trace file can be written at ``path``: checked before generating, not after."""
+    p = user_path(path)
+    if p.is_dir():
+        raise ParameterError(f"{name} {path}: is a directory; give a file name for the JSON lines, "
+                             f"e.g. {p / 'trace.jsonl'}", param=name, rule="a file path")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ParameterError(f"{name} {path}: directory {parent} does not exist; create it first "
+                             "(mkdir -p)", param=name, rule="a file path")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ParameterError(f"{name} {path}: not writable; choose another place", param=name,
+                             rule="a file path")
+    return p
 
 
 @dataclass
@@ -51,10 +69,16 @@ class Trace:
 
     def export_jsonl(self, path: str | Path, decode: Callable[[list[int]], str] | None = None) -> Path:
         """Write one JSON object per step; written to a temporary file and renamed."""
-        path = user_path(path)
-        tmp = path.with_name(path.name + ".partial")
-        with open(tmp, "w") as f:
-            for rec in self.records(decode):
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        tmp.replace(path)
+        path = check_trace_path(path)
+        tmp = path.with_name(f".{path.name[:200]}.partial-{os.getpid()}")
+        try:
+            with open(tmp, "w") as f:
+                for rec in self.records(decode):
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            tmp.replace(path)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise ParameterError(f"trace {path}: cannot write ({e.strerror or e}); nothing was kept") from e
+            raise
         return path

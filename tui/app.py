@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
-from textual import work
 from textual.app import App
 
 from mlx_dgemma.paths import user_path
@@ -70,10 +70,11 @@ class DGemmaApp(App):
         self._engine_worker(self.engine)
         self.engine.submit(Job("load"))
 
-    @work(thread=True, group="engine")
     def _engine_worker(self, engine: Engine) -> None:
-        """The one thread that runs MLX for the session's model (see engine.py)."""
-        engine.run()
+        """The one thread that runs MLX for the whole session (see engine.py). A daemon thread,
+        not a Textual thread worker: those run in asyncio's default executor, which the app's
+        exit joins, so a stuck load or template render would keep Ctrl+Q from quitting."""
+        threading.Thread(target=engine.run, name="mlx-dgemma-engine", daemon=True).start()
 
     async def action_quit(self) -> None:
         self.exit(return_code=LOAD_FAILED_EXIT if self.load_error is not None else 0)
