@@ -36,6 +36,7 @@ from mlx_dgemma.errors import DGemmaError, ParameterError
 log = logging.getLogger("mlx_dgemma.server")
 
 DEMO_MODEL_ID = "mlx-dgemma-demo"
+MAX_DRAIN_BYTES = 256 << 20  # an oversized body is read and dropped up to this size, then the connection closed
 MIN_TEMPERATURE_FACTOR = 0.01  # temperature 0 -> the schedule scaled by this (near-greedy)
 SAMPLER_FIELDS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
                   "confidence_threshold", "sc_top_k")
@@ -404,6 +405,7 @@ class Engine:
             if job is None:
                 return
             if job.cancel.is_set():  # the client left while queued
+                job.stats.update(finish="cancelled", steps=0)
                 job.emit("done", None)
                 continue
             self.busy = True
@@ -622,15 +624,23 @@ def _chunk(obj: dict[str, Any]) -> str:
 
 async def _read_json(request: Any, limit: int) -> Any:
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"body: {int(declared)} bytes is over the limit of {limit}; send a smaller request",
-                       code="body_too_large")
+    too_big = bool(declared and declared.isdigit() and int(declared) > limit)
     body = bytearray()
+    seen = 0
     async for chunk in request.stream():
+        seen += len(chunk)
+        too_big = too_big or seen > limit
+        if too_big:
+            # read (and drop) the rest so that the client can finish sending and read the answer;
+            # past MAX_DRAIN_BYTES the connection is simply closed
+            if seen > MAX_DRAIN_BYTES:
+                break
+            continue
         body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"body: over the limit of {limit} bytes; send a smaller request",
-                           code="body_too_large")
+    if too_big:
+        raise APIError(413, f"body: {max(seen, int(declared or 0))} bytes is over the limit of {limit}; "
+                       "send a smaller request (or start the server with a larger --max-body-mb)",
+                       code="body_too_large")
     if not body:
         raise APIError(400, "body: empty; send a JSON object")
     try:
@@ -650,6 +660,19 @@ async def _watch_disconnect(request: Any, job: Job) -> None:
                 return
     except Exception:  # noqa: BLE001 - the connection is gone either way
         job.cancel.set()
+
+
+async def _settle(job: Job, timeout: float = 60.0) -> None:
+    """After a disconnect: wait (bounded) for the worker to stop the job, so that the request's
+    log line says how far it got."""
+    async def drain() -> None:
+        while (await job.queue.get())[0] not in ("done", "error"):
+            pass
+
+    try:
+        await asyncio.wait_for(drain(), timeout)
+    except asyncio.TimeoutError:
+        pass
 
 
 class _Formatter:
@@ -765,8 +788,11 @@ def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20) -> Any:
                 what, payload = await job.queue.get()
                 if what == "error":
                     raise payload
-                if what == "gone" or what == "done" and payload is None:
-                    return Response(status_code=499)  # nobody is listening
+                if what == "gone":
+                    await _settle(job)
+                    return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
+                if what == "done" and payload is None:
+                    return Response(status_code=499)
                 if what == "done":
                     return JSONResponse(fmt.final(payload))
         finally:
@@ -804,6 +830,7 @@ def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20) -> Any:
                     yield "data: [DONE]\n\n"
                     return
                 elif what == "gone":
+                    await _settle(job)
                     return
         finally:
             job.cancel.set()
