@@ -84,7 +84,7 @@ class DiffusionOptions(_Body):
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Any = None
+    content: Any = Field(None, validate_default=True)
 
     @field_validator("content")
     @classmethod
@@ -318,12 +318,19 @@ class Job:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     stats: dict[str, Any] = field(default_factory=dict)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # the worker is done with it
 
     def emit(self, kind: str, payload: Any = None) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
         except RuntimeError:  # the event loop is gone (shutdown): stop generating
             self.cancel.set()
+
+    def release(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.finished.set)
+        except RuntimeError:
+            pass
 
 
 @dataclass(frozen=True)
@@ -407,6 +414,7 @@ class Engine:
             if job.cancel.is_set():  # the client left while queued
                 job.stats.update(finish="cancelled", steps=0)
                 job.emit("done", None)
+                job.release()
                 continue
             self.busy = True
             t0 = time.perf_counter()
@@ -422,6 +430,7 @@ class Engine:
                 self._session = None
                 job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
             finally:
+                job.release()
                 self.busy = False
                 self.served += 1
                 self._avg_seconds = 0.8 * self._avg_seconds + 0.2 * (time.perf_counter() - t0)
@@ -662,19 +671,6 @@ async def _watch_disconnect(request: Any, job: Job) -> None:
         job.cancel.set()
 
 
-async def _settle(job: Job, timeout: float = 60.0) -> None:
-    """After a disconnect: wait (bounded) for the worker to stop the job, so that the request's
-    log line says how far it got."""
-    async def drain() -> None:
-        while (await job.queue.get())[0] not in ("done", "error"):
-            pass
-
-    try:
-        await asyncio.wait_for(drain(), timeout)
-    except asyncio.TimeoutError:
-        pass
-
-
 class _Formatter:
     """OpenAI response objects for one request (chat or text completion)."""
 
@@ -775,7 +771,7 @@ def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20) -> Any:
                       params: dict[str, Any], thinking: bool) -> Response:
         job = Job(kind, prompt, params, max_tokens, req.stop, thinking,
                   bool(req.diffusion and req.diffusion.stream_steps), asyncio.get_running_loop())
-        request.scope.setdefault("mlx_dgemma.log", {})["job"] = job.stats
+        request.scope.setdefault("mlx_dgemma.log", {})["job"] = job
         engine.submit(job)
         fmt = _Formatter(kind, engine.model_id)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
@@ -788,11 +784,8 @@ def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20) -> Any:
                 what, payload = await job.queue.get()
                 if what == "error":
                     raise payload
-                if what == "gone":
-                    await _settle(job)
+                if what == "gone" or what == "done" and payload is None:
                     return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
-                if what == "done" and payload is None:
-                    return Response(status_code=499)
                 if what == "done":
                     return JSONResponse(fmt.final(payload))
         finally:
@@ -830,7 +823,6 @@ def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20) -> Any:
                     yield "data: [DONE]\n\n"
                     return
                 elif what == "gone":
-                    await _settle(job)
                     return
         finally:
             job.cancel.set()
@@ -890,8 +882,16 @@ class RequestLog:
         except Exception as e:  # noqa: BLE001 - disconnects, or an error already answered as 500
             info.setdefault("error", type(e).__name__)
         finally:
-            job = info.get("job") or {}
-            fields = [f"{k}={v}" for k, v in job.items() if v is not None]
+            job: Job | None = info.get("job")
+            if job is not None and not job.finished.is_set():
+                # the response ended before the generation (the client left, or a failure):
+                # stop it at the next step and log how far it got
+                job.cancel.set()
+                try:
+                    await asyncio.wait_for(job.finished.wait(), 60)
+                except asyncio.TimeoutError:
+                    pass
+            fields = [f"{k}={v}" for k, v in (job.stats if job else {}).items() if v is not None]
             if "error" in info:
                 fields.append(f"error={info['error']}")
             log.info("%s %s %s %.3fs %s", scope.get("method"), scope.get("path"), status[0] or "-",
