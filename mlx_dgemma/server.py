@@ -319,6 +319,8 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     stats: dict[str, Any] = field(default_factory=dict)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # the worker is done with it
+    answered: bool = False  # the result was emitted (the worker may still be committing the cache)
+    started: float = 0.0  # perf_counter when the worker took it
 
     def emit(self, kind: str, payload: Any = None) -> None:
         try:
@@ -417,10 +419,9 @@ class Engine:
                 job.release()
                 continue
             self.busy = True
-            t0 = time.perf_counter()
+            t0 = job.started = time.perf_counter()
             try:
-                result = self._run(job)
-                job.emit("done", result)
+                self._run(job)  # emits the result itself
             except APIError as e:
                 job.emit("error", e)
             except DGemmaError as e:
@@ -430,6 +431,7 @@ class Engine:
                 self._session = None
                 job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
             finally:
+                job.stats["engine_s"] = round(time.perf_counter() - t0, 4)
                 job.release()
                 self.busy = False
                 self.served += 1
@@ -549,8 +551,10 @@ class Engine:
         return result
 
     def _consume(self, job: Job, events: Iterator[Any], cached: int) -> tuple[Result | None, bool]:
-        """Drive one generation, emitting block texts (and steps if asked). Returns the result
-        (None if cancelled) and whether the generator ran to its end."""
+        """Drive one generation, emitting block texts (and steps if asked) and the result as
+        soon as the last block is committed: the client does not wait for the cache commit
+        that follows it (that is for the next turn). Returns the result (None if cancelled)
+        and whether the generator ran to its end."""
         from mlx_dgemma.generation import BlockEvent, DoneEvent, PrefillEvent, StepEvent
 
         p = self.generation_config
@@ -559,8 +563,23 @@ class Engine:
         answer = Answer(self.tokenizer, eos, job.max_tokens, job.stop)
         n_blocks = self.blocks_tokens(self.max_new_tokens(job.params)) // self.canvas
         done: Any = None
+        result: Result | None = None
         prefill = 0
         clean = True
+
+        def finish() -> Result:
+            usage = {"prompt_tokens": cached + prefill, "completion_tokens": answer.completion_tokens,
+                     "total_tokens": cached + prefill + answer.completion_tokens,
+                     "prompt_tokens_details": {"cached_tokens": cached},
+                     "completion_tokens_details": {"reasoning_tokens": answer.reasoning_tokens}}
+            job.stats.update(prompt=cached + prefill, cached=cached, completion=answer.completion_tokens,
+                             reasoning=answer.reasoning_tokens, finish=answer.finish_reason)
+            r = Result(answer.content, answer.reasoning, answer.finish_reason, usage)
+            job.stats["answer_s"] = round(time.perf_counter() - job.started, 4)
+            job.answered = True
+            job.emit("done", r)
+            return r
+
         for ev in events:
             if isinstance(ev, StepEvent):
                 if job.stream_steps:
@@ -570,28 +589,28 @@ class Engine:
                 if job.stream_steps:
                     job.emit("step", {"type": "block", "block": ev.block, "steps": ev.steps, "finished": ev.finished})
                 job.emit("text", answer)
-                if answer.stop_hit and ev.block + 1 < n_blocks and not ev.finished:
+                last = ev.finished or ev.block + 1 >= n_blocks
+                if answer.stop_hit and not last:
                     clean = False  # a stop string: no need for more blocks
+                    result = finish()
                     break
+                if last and result is None:
+                    result = finish()
             elif isinstance(ev, PrefillEvent):
                 prefill = ev.tokens
+                job.stats.update(prefill=ev.tokens, prefill_s=round(ev.seconds, 4))
             elif isinstance(ev, DoneEvent):
                 done = ev
         if not clean:
             getattr(events, "close", lambda: None)()  # ends the core's generator at its current yield
-        if done is not None and done.finish_reason == "cancelled" or job.cancel.is_set():
-            job.stats.update(finish="cancelled", steps=done.steps if done else None)
-            return None, False
-        usage = {"prompt_tokens": cached + prefill, "completion_tokens": answer.completion_tokens,
-                 "total_tokens": cached + prefill + answer.completion_tokens,
-                 "prompt_tokens_details": {"cached_tokens": cached},
-                 "completion_tokens_details": {"reasoning_tokens": answer.reasoning_tokens}}
-        job.stats.update(prompt=cached + prefill, cached=cached, completion=answer.completion_tokens,
-                         reasoning=answer.reasoning_tokens, finish=answer.finish_reason)
         if done is not None:
             job.stats.update(steps=done.steps, s_per_step=round(done.seconds_per_step, 4),
                              tok_per_fwd=round(done.tokens_per_forward, 2))
-        return Result(answer.content, answer.reasoning, answer.finish_reason, usage), clean
+        if result is None:  # cancelled (the client left) before the last block
+            job.stats.update(finish="cancelled")
+            job.emit("done", None)
+            return None, False
+        return result, clean
 
     def _step_payload(self, ev: Any) -> dict[str, Any]:
         tok = self.tokenizer
@@ -771,9 +790,10 @@ def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20) -> Any:
                       params: dict[str, Any], thinking: bool) -> Response:
         job = Job(kind, prompt, params, max_tokens, req.stop, thinking,
                   bool(req.diffusion and req.diffusion.stream_steps), asyncio.get_running_loop())
+        fmt = _Formatter(kind, engine.model_id)
+        job.stats["id"] = fmt.id  # the log line names the response's id
         request.scope.setdefault("mlx_dgemma.log", {})["job"] = job
         engine.submit(job)
-        fmt = _Formatter(kind, engine.model_id)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -789,7 +809,8 @@ def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20) -> Any:
                 if what == "done":
                     return JSONResponse(fmt.final(payload))
         finally:
-            job.cancel.set()  # no-op once done; stops the worker if this handler was cancelled
+            if not job.answered:  # this handler was cancelled: stop the worker at its next step
+                job.cancel.set()
             watcher.cancel()
 
     async def _stream(job: Job, fmt: _Formatter, watcher: asyncio.Task, include_usage: bool) -> AsyncIterator[str]:
@@ -825,7 +846,8 @@ def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20) -> Any:
                 elif what == "gone":
                     return
         finally:
-            job.cancel.set()
+            if not job.answered:  # the stream ended early (client gone): stop at the next step
+                job.cancel.set()
             watcher.cancel()
 
     @app.post("/v1/chat/completions")
@@ -884,9 +906,10 @@ class RequestLog:
         finally:
             job: Job | None = info.get("job")
             if job is not None and not job.finished.is_set():
-                # the response ended before the generation (the client left, or a failure):
-                # stop it at the next step and log how far it got
-                job.cancel.set()
+                # the response ended before the worker finished: if before the answer (the client
+                # left, or a failure) stop it at the next step; log how far it got
+                if not job.answered:
+                    job.cancel.set()
                 try:
                     await asyncio.wait_for(job.finished.wait(), 60)
                 except asyncio.TimeoutError:
@@ -943,8 +966,9 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     engine = Engine(args.model, args.demo, args.dtype, args.queue_size, args.model_id).start()
     app = RequestLog(create_app(engine, max_body_bytes=int(args.max_body_mb * (1 << 20))))
+    # keep-alive 30 s: clients that reuse a connection between turns rarely find it closed
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
-                            lifespan="off")
+                            timeout_keep_alive=30, lifespan="off")
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
