@@ -61,8 +61,8 @@ class APIError(Exception):
 class ContextLengthError(APIError):
     """The prompt plus the requested blocks do not fit the model's context (413)."""
 
-    def __init__(self, message: str):
-        super().__init__(413, message, param="messages", code="context_length_exceeded")
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(413, message, param=param, code="context_length_exceeded")
 
 
 # --------------------------------------------------------------------------- request bodies
@@ -285,18 +285,11 @@ class Deltas:
         self.sent = ""
 
     def __call__(self, text: str) -> str:
-        if text.startswith(self.sent):
-            delta, self.sent = text[len(self.sent):], text
-            return delta
-        # the text changed behind what was sent (rare: a decode that re-spelled earlier
-        # bytes); send only what extends the common prefix, never retract
-        common = 0
-        for a, b in zip(self.sent, text):
-            if a != b:
-                break
-            common += 1
-        delta = text[len(self.sent):] if len(text) > len(self.sent) else ""
-        self.sent = self.sent[:common] + text[common:] if len(text) > len(self.sent) else self.sent
+        # Normally ``text`` extends what was sent. Rarely it differs behind it (a decode that
+        # re-spells earlier bytes): a stream cannot retract, so only what goes beyond is sent.
+        delta = text[len(self.sent):]
+        if len(text) >= len(self.sent):
+            self.sent = text
         return delta
 
 
@@ -476,13 +469,13 @@ class Engine:
     def blocks_tokens(self, max_new_tokens: int) -> int:
         return math.ceil(max_new_tokens / self.canvas) * self.canvas
 
-    def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def check_context(self, prompt_tokens: int, max_new_tokens: int, param: str = "messages") -> None:
         need = prompt_tokens + self.blocks_tokens(max_new_tokens)
         if need > self.context:
             raise ContextLengthError(
-                f"messages: the prompt is {prompt_tokens} tokens and the answer needs "
+                f"{param}: the prompt is {prompt_tokens} tokens and the answer needs "
                 f"{self.blocks_tokens(max_new_tokens)} (whole {self.canvas}-token blocks): {need} exceed the "
-                f"model's context of {self.context}; shorten the conversation or lower max_tokens")
+                f"model's context of {self.context}; shorten the {param} or lower max_tokens", param)
 
     def max_new_tokens(self, params: dict[str, Any]) -> int:
         return int(params.get("max_new_tokens") or self.generation_config.get("max_new_tokens") or 256)
@@ -510,7 +503,7 @@ class Engine:
                 raise APIError(400, f"prompt[{bad}]: token id {prompt[bad]} is outside [0, {V})",
                                param=f"prompt[{bad}]")
             ids = list(prompt)
-        self.check_context(len(ids), self.max_new_tokens(params))
+        self.check_context(len(ids), self.max_new_tokens(params), "prompt")
         return ids
 
     # generation (worker thread) ------------------------------------------
