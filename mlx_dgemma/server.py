@@ -362,6 +362,7 @@ class Engine:
         self.served = 0
         self.reused_prefixes = 0
         self._session: Any = None  # the last conversation's ChatSession, if reusable
+        self._current: Job | None = None
         self._avg_seconds = 1.0
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -378,6 +379,10 @@ class Engine:
         return self
 
     def stop(self) -> None:
+        """Cancel the running job at its next step, let the worker exit, wait (bounded)."""
+        current = self._current
+        if current is not None:
+            current.cancel.set()
         try:
             self.queue.put_nowait(None)
         except queue.Full:
@@ -411,7 +416,7 @@ class Engine:
                 job.emit("done", None)
                 job.release()
                 continue
-            self.busy = True
+            self.busy, self._current = True, job
             t0 = job.started = time.perf_counter()
             try:
                 self._run(job)  # emits the result itself
@@ -426,7 +431,7 @@ class Engine:
             finally:
                 job.stats["engine_s"] = round(time.perf_counter() - t0, 4)
                 job.release()
-                self.busy = False
+                self.busy, self._current = False, None
                 self.served += 1
                 self._avg_seconds = 0.8 * self._avg_seconds + 0.2 * (time.perf_counter() - t0)
 
