@@ -554,10 +554,9 @@ class Engine:
         that follows it (that is for the next turn). Returns the result (None if cancelled)
         and whether the generator ran to its end."""
         from mlx_dgemma.generation import BlockEvent, DoneEvent, PrefillEvent, StepEvent
+        from mlx_dgemma.sampler import SamplerParams
 
-        p = self.generation_config
-        eos = tuple(job.params.get("eos_token_id") or p.get("eos_token_id") or (self.tokenizer.eos_id,))
-        eos = (eos,) if isinstance(eos, int) else tuple(eos)
+        eos = SamplerParams.from_config(self.generation_config, **job.params).eos_token_id  # as the core reads it
         answer = Answer(self.tokenizer, eos, job.max_tokens, job.stop)
         n_blocks = self.blocks_tokens(self.max_new_tokens(job.params)) // self.canvas
         done: Any = None
@@ -586,7 +585,7 @@ class Engine:
                 answer.add(ev.tokens, ev.text, ev.thinking)
                 if job.stream_steps:
                     job.emit("step", {"type": "block", "block": ev.block, "steps": ev.steps, "finished": ev.finished})
-                job.emit("text", answer)
+                job.emit("text", answer.streamable())  # a snapshot: the worker goes on mutating answer
                 last = ev.finished or ev.block + 1 >= n_blocks
                 if answer.stop_hit and not last:
                     clean = False  # a stop string: no need for more blocks
@@ -821,8 +820,7 @@ def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20) -> Any:
                 if what == "step":
                     yield _chunk(fmt.extra(diffusion=payload))
                 elif what == "text":
-                    c, r = payload.streamable()
-                    dc, dr = content(c), reasoning(r)
+                    dc, dr = content(payload[0]), reasoning(payload[1])
                     if dc or dr:
                         yield _chunk(fmt.delta(dc, dr))
                 elif what == "done":
