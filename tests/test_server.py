@@ -103,9 +103,9 @@ def server(tmp_path_factory):
         srv.stop()
 
 
-def chat(srv: LiveServer, content: str = "Why is the sky blue?", **kw: Any) -> Any:
+def chat(srv: LiveServer, content: str = "Why is the sky blue?", client: Any = None, **kw: Any) -> Any:
     extra = {**FAST, **kw.pop("extra_body", {})}
-    return srv.client(max_retries=0).chat.completions.create(
+    return (client or srv.client(max_retries=0)).chat.completions.create(
         model=MODEL, messages=kw.pop("messages", [{"role": "user", "content": content}]),
         max_tokens=kw.pop("max_tokens", 64), extra_body=extra, **kw)
 
@@ -242,6 +242,11 @@ def test_earlier_thoughts_are_not_rendered(server):
                     extra_body={"max_denoising_steps": 1}).usage.prompt_tokens
 
     plain = prompt_tokens({"role": "assistant", "content": "Sure."})
+    # enable_thinking reaches the template (which then leaves the thought channel open)
+    msgs = [{"role": "user", "content": "Hi"}]
+    off = chat(server, messages=msgs, seed=0, max_tokens=1).usage.prompt_tokens
+    on = chat(server, messages=msgs, seed=0, max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert on.usage.prompt_tokens != off
     with_thought = prompt_tokens({"role": "assistant",
                                   "content": f"{THOUGHT_OPEN}thought\nA long secret plan, many words.{THOUGHT_CLOSE}Sure."})
     with_field = prompt_tokens({"role": "assistant", "content": "Sure.", "reasoning_content": "a long secret plan"})
@@ -298,11 +303,15 @@ def test_answer_max_tokens_stop_and_holdback():
 
 def test_parallel_clients_answered_or_refused(server):
     prompts = [(f"question number {i}", 100 + i) for i in range(8)]
+    clients = [server.client(max_retries=0) for _ in prompts]
+    start = threading.Barrier(len(prompts))
 
     def ask(p):
         content, seed = p
+        client = clients[prompts.index(p)]
+        start.wait()  # all at once
         try:
-            r = chat(server, content=content, seed=seed, extra_body={"max_denoising_steps": 1})
+            r = chat(server, content=content, seed=seed, client=client, extra_body={"max_denoising_steps": 1})
             return ("ok", r.choices[0].message.content, r.usage.prompt_tokens)
         except openai.APIStatusError as e:
             return (e.status_code, e.response.headers.get("retry-after"), e.body)
