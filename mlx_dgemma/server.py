@@ -336,11 +336,12 @@ class Result:
     usage: dict[str, Any]
 
 
-def load_model(model: str | None, demo: bool, dtype: str) -> tuple[Any, Any]:
-    """The one place the server loads a model (CLI semantics: ``--model`` or ``--demo``)."""
+def load_model(model: str | None, demo: bool, dtype: str | None, precision: str) -> tuple[Any, Any]:
+    """The one place the server loads a model (CLI semantics: ``--model`` or ``--demo``,
+    ``--precision`` and ``--dtype``)."""
     from mlx_dgemma.commands import load_for_cli
 
-    return load_for_cli(model, demo, dtype)
+    return load_for_cli(model, demo, dtype, precision)
 
 
 class Engine:
@@ -350,10 +351,11 @@ class Engine:
     (chat template, tokenizer, sizes); every MLX call happens on the worker.
     """
 
-    def __init__(self, model_path: str | None = None, demo: bool = False, dtype: str = "float32",
-                 queue_size: int = 16, model_id: str | None = None):
+    def __init__(self, model_path: str | None = None, demo: bool = False, dtype: str | None = None,
+                 precision: str = "auto", queue_size: int = 16, model_id: str | None = None):
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
-        self.dtype_name = dtype
+        self.dtype_name, self.precision_name = dtype, precision
+        self.precision = ""  # the label of what was loaded, e.g. "fast (bfloat16)"
         self.model: Any = None
         self.tokenizer: Any = None
         self.model_id = model_id or (DEMO_MODEL_ID if demo else _model_id(model_path))
@@ -395,10 +397,10 @@ class Engine:
 
     def _main(self, model_path: str | None, demo: bool) -> None:
         try:
-            import mlx.core as mx
+            from mlx_dgemma.generation import precision_label
 
-            self.model, self.tokenizer = load_model(model_path, demo, self.dtype_name)
-            self.dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[self.dtype_name]
+            self.model, self.tokenizer = load_model(model_path, demo, self.dtype_name, self.precision_name)
+            self.precision = precision_label(self.model)
             self.generation_config = getattr(self.model, "generation_config", None) or {}
             self.canvas = int(self.model.args.canvas_length)
             self.context = int(self.model.args.max_position_embeddings)
@@ -517,7 +519,7 @@ class Engine:
 
         if job.kind == "completion":
             events = stream_generate(self.model, self.tokenizer, job.prompt, generation_config=self.generation_config,
-                                     dtype=self.dtype, chat=False, cancel=job.cancel.is_set, **job.params)
+                                     chat=False, cancel=job.cancel.is_set, **job.params)
             result, _ = self._consume(job, events, cached=0)
             return result
         return self._run_chat(job)
@@ -534,8 +536,7 @@ class Engine:
                  and cached + len(self.tokenizer.encode(user)) + 16
                  + self.blocks_tokens(self.max_new_tokens(job.params)) <= self.context)
         if not reuse:
-            s = ChatSession(self.model, self.tokenizer, self.generation_config, dtype=self.dtype,
-                            enable_thinking=job.enable_thinking)
+            s = ChatSession(self.model, self.tokenizer, self.generation_config, enable_thinking=job.enable_thinking)
             s.messages = [dict(m) for m in earlier]  # rendered with the new turn on the first stream()
             cached = 0
         else:
@@ -762,7 +763,8 @@ def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20) -> Any:
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = engine.alive
-        return JSONResponse({"status": "ok" if ok else "down", "model": engine.model_id, "busy": engine.busy,
+        return JSONResponse({"status": "ok" if ok else "down", "model": engine.model_id,
+                             "precision": engine.precision, "busy": engine.busy,
                              "queued": engine.queue.qsize(), "served": engine.served,
                              "reused_prefixes": engine.reused_prefixes}, status_code=200 if ok else 503)
 
@@ -926,7 +928,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the small built-in demo model (see `mlx-dgemma chat --demo`)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    from mlx_dgemma.commands import add_precision_args
+
+    add_precision_args(p)
     p.add_argument("--queue-size", type=int, default=16,
                    help="requests that may wait behind the running one before 503 (default 16)")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MB (default 16)")
@@ -960,7 +964,7 @@ def main(args: argparse.Namespace) -> int:
         raise ParameterError("--model and --demo: give one of them")
     sock = _listen(args.host, args.port)  # before loading: a taken port fails fast
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    engine = Engine(args.model, args.demo, args.dtype, args.queue_size, args.model_id).start()
+    engine = Engine(args.model, args.demo, args.dtype, args.precision, args.queue_size, args.model_id).start()
     app = RequestLog(create_app(engine, max_body_bytes=int(args.max_body_mb * (1 << 20))))
     # keep-alive 30 s: clients that reuse a connection between turns rarely find it closed
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
@@ -968,7 +972,7 @@ def main(args: argparse.Namespace) -> int:
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"mlx-dgemma serve: {engine.model_id} on http://{shown}:{port}/v1 (Ctrl+C to stop)", file=sys.stderr,
+    print(f"mlx-dgemma serve: {engine.model_id} ({engine.precision}) on http://{shown}:{port}/v1 (Ctrl+C to stop)", file=sys.stderr,
           flush=True)
     try:
         server.run(sockets=[sock])
