@@ -1,4 +1,4 @@
-"""Subcommands that run the model: generate, chat, bench."""
+"""Subcommands that run the model: generate, chat, bench, serve."""
 
 from __future__ import annotations
 
@@ -221,6 +221,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .server import main as serve_main
+
+    return serve_main(args)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the model-running subcommands to the ``mlx-dgemma`` parser."""
     g = sub.add_parser("generate", help="generate an answer, streamed to stdout",
@@ -251,3 +257,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_args(b)
     b.set_defaults(func=_cmd_bench)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streamed blocks and steps)")
+    from .server import add_args as add_serve_args
+
+    add_serve_args(s)
+    s.set_defaults(func=_cmd_serve)
