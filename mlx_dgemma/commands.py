@@ -7,7 +7,8 @@ import json
 import sys
 from typing import Any
 
-DEMO_HELP = "a small built-in model with random weights (shows the mechanics, not real text)"
+DEMO_HELP = ("the built-in demo model: a tiny model trained on the King James Bible "
+             "(not DiffusionGemma's weights)")
 
 
 def add_sampler_args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +44,7 @@ def load_for_cli(model: str | None, demo: bool, dtype: str = "float32"):
         return load_demo(dtype=dt)
     if not model:
         raise ParameterError("--model: not given; pass a converted directory or a .gguf file "
-                             "(or --demo for the built-in random model)")
+                             "(or --demo for the built-in demo model)")
     from .api import load
 
     bar = ProgressBar("loading", unit="tensors", scale=1)

@@ -22,8 +22,9 @@ mlx-dgemma chat --model ~/models/dgemma
 (`mlx-dgemma chat --model FILE.gguf` also works; it converts in memory at every start.)
 Set `MLX_DGEMMA_MODEL=~/models/dgemma` to make it the default.
 
-Or look at the machinery right now with a small **built-in model with random weights**:
-its text is noise, but the canvas denoises exactly as the real model's does.
+Or watch it work right now with the **built-in demo model**: a tiny model (9.9M
+parameters) trained on the King James Bible, not DiffusionGemma's weights. It continues
+any prompt in the style of the KJV, and its canvas denoises as the real model's does.
 """
 
 
