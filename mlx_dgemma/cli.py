@@ -52,7 +52,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 DESCRIPTION = "Run DiffusionGemma from its GGUF files with MLX: convert, verify, generate, chat, bench."
 EPILOG = """\
-first time? the built-in demo model (random weights) shows the mechanics:
+first time? the built-in demo (a tiny model trained on the KJV Bible) shows text denoising:
   mlx-dgemma chat --demo
 then a real model (README: Using a real model):
   mlx-dgemma convert diffusiongemma-26B-A4B-it-Q4_K_M.gguf ~/models/dgemma

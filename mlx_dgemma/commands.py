@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-DEMO_HELP = "a small built-in model with random weights (shows the mechanics, not real text)"
+DEMO_HELP = ("the built-in demo model: a tiny model trained on the King James Bible "
+             "(not DiffusionGemma's weights)")
 
 
 def add_sampler_args(p: argparse.ArgumentParser) -> None:
@@ -112,7 +113,7 @@ def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precis
         return load_demo(precision=prec)
     if not model:
         raise ParameterError("--model: not given; pass a converted directory or a .gguf file "
-                             "(or --demo for the built-in random model)")
+                             "(or --demo for the built-in demo model)")
     from .api import load
 
     bar = ProgressBar("loading", unit="tensors", scale=1)
@@ -135,9 +136,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     gen_cfg = getattr(model, "generation_config", None)
     check_sampler_flags(overrides, gen_cfg)  # against the model's own defaults
     if getattr(model, "is_demo", False) and not args.json:
-        from .demo import DEMO_NOTICE
+        from .demo import DEMO_NOTICES
 
-        print(f"[demo] {DEMO_NOTICE}", file=sys.stderr)
+        print(f"[demo] {DEMO_NOTICES[getattr(model, 'demo_kind', 'trained')]}", file=sys.stderr)
     printed = 0
     done: DoneEvent | None = None
     trace = None

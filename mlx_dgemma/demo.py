@@ -1,32 +1,55 @@
-"""The built-in demo model: a small random-weight DiffusionGemma, written once as a GGUF in
-the user's cache and converted in memory. It shows the mechanics (canvas, steps, entropy),
-not meaningful text; the UI labels it as random."""
+"""The built-in demo models.
+
+* ``trained`` (the default): a tiny DiffusionGemma (9.9M parameters, 6 layers, 8 experts,
+  64-token canvas) trained on the King James Bible by ``scripts/train_demo.py``. It ships
+  inside the package as a GGUF in the published file's format (Q8_0), so the first run shows
+  real words denoising, offline. It is not DiffusionGemma's weights.
+* ``random``: random weights written once as a GGUF in the user's cache. Its text is noise;
+  tests use its builder when they need arbitrary shapes.
+"""
 
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
 
-DEMO_NAME = "demo-random-v1.gguf"
-# Shown wherever the demo runs (CLI stderr, the chat app's banner): its output is not a model's.
-DEMO_NOTICE = ("the built-in demo model has random weights: its text is noise, its denoising is real "
-               "(README: Using a real model)")
+from .errors import ModelFilesError, ParameterError
+# Shown wherever the demo runs (CLI stderr, the chat app's banner): its output is not DiffusionGemma's.
+DEMO_NOTICES = {
+    "trained": ("the built-in demo is a tiny model (9.9M parameters) trained on the King James Bible, "
+                "not DiffusionGemma's weights (README: Using a real model)"),
+    "random": ("the random demo model has random weights: its text is noise, its denoising is real "
+               "(README: Using a real model)"),
+}
+DEMO_NOTICE = DEMO_NOTICES["trained"]
 
+DEMO_NAME = "demo-random-v1.gguf"
+TRAINED_NAME = "diffusiongemma-9.9M-kjv-demo-Q8_0.gguf"
+DEMO_KINDS = ("trained", "random")
 
 def demo_spec():
+    """The random demo model's shape."""
     from .convert.synthetic import TinySpec
 
     return TinySpec(num_layers=4, global_layers=(3,), canvas_length=64, sliding_window=64, vocab_size=640)
 
 
 def demo_path() -> Path:
+    """Where the random demo GGUF is cached."""
     base = Path(os.environ.get("MLX_DGEMMA_CACHE", Path.home() / ".cache" / "mlx-dgemma"))
     return base / DEMO_NAME
 
 
+def trained_demo_path() -> Path:
+    """The trained demo GGUF shipped as package data."""
+    return Path(str(resources.files("mlx_dgemma") / "data" / TRAINED_NAME))
+
+
 def ensure_demo_gguf() -> Path:
+    """The random demo GGUF, written on first use."""
     from .convert.synthetic import write_tiny_gguf
 
     path = demo_path()
@@ -38,10 +61,12 @@ def ensure_demo_gguf() -> Path:
     return path
 
 
-def load_demo(dtype: mx.Dtype | str | None = None, precision: str = "auto"):
-    """(model, tokenizer) of the demo model; ``model.is_demo`` is True."""
+def load_demo(dtype: mx.Dtype | str | None = None, kind: str = "trained", precision: str = "auto"):
+    """(model, tokenizer) of the demo model ``kind`` in runtime ``precision``; ``model.is_demo``
+    is True and ``model.demo_kind`` names the kind."""
     from .api import load
 
-    model, tokenizer = load(ensure_demo_gguf(), precision=precision, dtype=dtype)
+    model, tokenizer = load(demo_file(kind), precision=precision, dtype=dtype)
     object.__setattr__(model, "is_demo", True)
+    object.__setattr__(model, "demo_kind", kind)
     return model, tokenizer

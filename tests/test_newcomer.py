@@ -113,12 +113,12 @@ def test_help_texts(capsys):
     assert "--precision" in gen and "bfloat16 on a GPU" in gen
 
 
-def test_generate_demo_says_random_weights_and_writes_no_control_bytes(tmp_path, monkeypatch, capfd):
+def test_generate_demo_says_what_it_is_and_writes_no_control_bytes(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("MLX_DGEMMA_CACHE", str(tmp_path))
     assert main(["generate", "--demo", "--prompt", "Why is the sky blue?", "--seed", "0", "--steps", "4",
                  "--max-tokens", "64"]) == 0
     out, err = capfd.readouterr()
-    assert "random weights" in err
+    assert "not DiffusionGemma's weights" in err
     assert out.strip()
     assert not [c for c in out if ord(c) < 32 and c not in "\n\t"] and "\x7f" not in out
 

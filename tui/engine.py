@@ -32,7 +32,7 @@ class ModelBackend:
         self.session = None
         self.tokenizer = None
         self.generation_config: dict = {}
-        self.label = "demo model (random weights)" if demo else str(model)
+        self.label = "demo model (tiny, trained on the KJV Bible)" if demo else str(model)
         self.is_demo = demo
         self.canvas_length = 0
 
@@ -44,7 +44,7 @@ class ModelBackend:
         if self.demo:
             from ..demo import load_demo
 
-            progress("building the demo model")
+            progress("loading the demo model")
             model, tok = load_demo(precision=prec)
         else:
             from ..api import load

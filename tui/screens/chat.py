@@ -56,7 +56,8 @@ class ChatScreen(Screen):
         with Horizontal(id="main"):
             with Vertical(id="chat-pane"):
                 if backend.is_demo:
-                    yield Static("DEMO MODEL: random weights. The text is noise; the denoising is real.",
+                    yield Static("DEMO MODEL: a tiny model trained on the King James Bible, not "
+                                 "DiffusionGemma's weights. The denoising is the real sampler's.",
                                  id="demo-banner")
                 yield ChatLog(id="chat-log")
                 yield Input(placeholder="Message (Enter to send)", id="prompt")

@@ -24,8 +24,9 @@ mlx-dgemma chat --model ~/models/dgemma
 `--model FILE.gguf` also works (converted in memory at every start).
 `export MLX_DGEMMA_MODEL=~/models/dgemma` makes it the default.
 
-The **demo model** has random weights: its text is noise, but the canvas denoises
-exactly as the real model's does.
+Or watch it work right now with the **built-in demo model**: a tiny model (9.9M
+parameters) trained on the King James Bible, not DiffusionGemma's weights. It continues
+any prompt in the style of the KJV, and its canvas denoises as the real model's does.
 """
 
 

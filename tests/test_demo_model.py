@@ -1,0 +1,133 @@
+"""The trained demo model (mlx_dgemma/data/, made by scripts/train_demo.py): shipped in the
+published file's format, loaded by ``load_demo``, and a model that has learned something, so
+that its entropy falls and its stop rule fires (the random demo's does neither)."""
+
+import json
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+
+from mlx_dgemma.convert.metadata import TextConfig, read_metadata
+from mlx_dgemma.convert.names import expected_tensors
+from mlx_dgemma.demo import demo_file, load_demo, trained_demo_path
+from mlx_dgemma.errors import ParameterError
+from mlx_dgemma.generation import ChatSession, DoneEvent, StepEvent
+from mlx_dgemma.tokenizer_data import SPECIALS
+
+HEADER = Path(__file__).resolve().parents[2] / "shared" / "reference" / \
+    "diffusiongemma-26b-a4b-it-q4_k_m.header.json"
+# Lines of the corpus (KJV) that the model saw; the continuation of Genesis 1:1 is 1:2.
+GENESIS_1_1 = "In the beginning God created the heaven and the earth."
+GENESIS_1_2 = ("And the earth was without form, and void; and darkness was upon the face of the deep. "
+               "And the Spirit of God moved upon the face of the waters.")
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_demo()
+
+
+@pytest.fixture(scope="module")
+def reader():
+    return GGUFReader(trained_demo_path())
+
+
+def test_shipped_inside_the_package_and_small():
+    path = trained_demo_path()
+    assert path.is_file()
+    assert path.parent.parent == Path(__import__("mlx_dgemma").__file__).parent
+    assert path.stat().st_size <= 20 * 2**20
+
+
+def test_file_has_the_published_metadata_keys_and_inventory(reader):
+    md = read_metadata(reader)
+    assert md["general.architecture"] == "diffusion-gemma"
+    if HEADER.is_file():
+        published = set(json.loads(HEADER.read_text())["metadata"])
+        assert published <= set(md), sorted(published - set(md))
+    cfg = TextConfig.from_metadata(md, vocab_size=len(md["tokenizer.ggml.tokens"]))
+    assert "full_attention" in cfg.layer_types and "sliding_attention" in cfg.layer_types
+    names = [t.name for t in reader.tensors]
+    assert sorted(names) == sorted(e.name for e in expected_tensors(cfg))
+    types = {t.tensor_type for t in reader.tensors}
+    assert types <= {T.Q8_0, T.F32}
+    assert T.Q8_0 in types
+
+
+def test_tokenizer_is_gemma4_with_the_special_ids(demo):
+    _, tok = demo
+    assert tok.kind == "gemma4"
+    for i, t in SPECIALS.items():
+        assert tok.tokens[i] == t
+    assert tok.tokens[108] == "<0x00>" and tok.tokens[363] == "<0xFF>"
+    ids = tok.encode(GENESIS_1_2)
+    assert tok.decode(ids) == GENESIS_1_2
+    assert not any(108 <= i < 364 for i in ids)  # a corpus sentence needs no byte fallback
+    assert len(ids) < len(GENESIS_1_2.split()) * 1.5  # real merges: ~1 token per word
+    assert tok.decode(tok.encode("naïve café")) == "naïve café"  # byte fallback elsewhere
+    assert tok.chat_template and "<|turn>" in tok.chat_template
+
+
+def test_load_demo_kinds(demo, monkeypatch, tmp_path):
+    model, tok = demo
+    assert model.is_demo and model.demo_kind == "trained"
+    assert model.args.canvas_length == 64 and tok.vocab_size == 4096
+    monkeypatch.setenv("MLX_DGEMMA_CACHE", str(tmp_path))
+    rnd, rtok = load_demo(kind="random")
+    assert rnd.demo_kind == "random" and rtok.vocab_size != tok.vocab_size
+    assert demo_file("random").parent == tmp_path
+    with pytest.raises(ParameterError, match="demo kind 'bogus'"):
+        load_demo(kind="bogus")
+
+
+def _canvas_loss(model, prompt_ids: list[int], clean: list[int], noisy: list[int]) -> tuple[float, float]:
+    cache = model.make_cache()
+    model.prefill(mx.array([prompt_ids], dtype=mx.int32), cache)
+    logits = model.denoise(mx.array([noisy], dtype=mx.int32), cache)[0].astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    nll = -mx.take_along_axis(logp, mx.array(clean)[:, None], axis=-1)[:, 0]
+    ent = -mx.sum(mx.exp(logp) * logp, axis=-1)
+    return float(nll.mean()), float(ent.mean())
+
+
+def test_model_denoises_a_corpus_continuation(demo):
+    """Half the canvas replaced by uniform noise: the trained model puts the clean tokens
+    back far better than chance (ln 4096 = 8.3 nats)."""
+    model, tok = demo
+    from mlx_dgemma.chat import render_chat
+
+    prompt = tok.encode(render_chat([{"role": "user", "content": GENESIS_1_1}], tok.chat_template))
+    clean = tok.encode(GENESIS_1_2) + [106]
+    clean += [0] * (64 - len(clean))
+    rng = np.random.default_rng(0)
+    noisy = np.where(rng.random(64) < 0.5, rng.integers(0, tok.vocab_size, 64), clean).tolist()
+    nll, entropy = _canvas_loss(model, prompt, clean, noisy)
+    assert nll < 2.0, nll
+    assert entropy < 2.5, entropy
+
+
+def test_entropy_falls_and_the_stop_rule_fires_over_two_turns(demo):
+    """A two-turn chat with the file's sampler defaults (as the app runs it): in each turn's
+    block the mean entropy drops below the confidence threshold, the stop rule ends the block
+    well before the step limit, and the answer is made of words."""
+    model, tok = demo
+    session = ChatSession(model, tok, model.generation_config)
+    limit = model.generation_config["max_denoising_steps"]
+    for turn, prompt in enumerate([GENESIS_1_1, "And God said, Let there be light: and there was light."]):
+        steps: list[StepEvent] = []
+        done = None
+        for ev in session.stream(prompt, seed=3 + turn, max_new_tokens=64):
+            if isinstance(ev, StepEvent):
+                steps.append(ev)
+            elif isinstance(ev, DoneEvent):
+                done = ev
+        assert done is not None and done.finish_reason == "eos", (turn, done)
+        assert steps[-1].stopped and len(steps) < limit / 2, (turn, len(steps))
+        assert steps[-1].mean_entropy < 0.005 < steps[0].mean_entropy
+        assert len(re.findall(r"[A-Za-z]+", done.text)) >= 5, done.text
+    assert len(session.messages) == 4
