@@ -61,6 +61,19 @@ def ensure_demo_gguf() -> Path:
     return path
 
 
+def demo_file(kind: str = "trained") -> Path:
+    """The GGUF of the demo model ``kind`` ('trained' or 'random')."""
+    if kind == "random":
+        return ensure_demo_gguf()
+    if kind != "trained":
+        raise ParameterError(f"demo kind {kind!r}: expected one of {', '.join(DEMO_KINDS)}")
+    path = trained_demo_path()
+    if not path.is_file():
+        raise ModelFilesError(f"{path}: the trained demo model is missing from the installed package; "
+                              "reinstall mlx-dgemma (the wheel ships it), or use load_demo(kind='random')")
+    return path
+
+
 def load_demo(dtype: mx.Dtype | str | None = None, kind: str = "trained", precision: str = "auto"):
     """(model, tokenizer) of the demo model ``kind`` in runtime ``precision``; ``model.is_demo``
     is True and ``model.demo_kind`` names the kind."""
