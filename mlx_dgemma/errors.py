@@ -14,3 +14,7 @@ class ModelFilesError(DGemmaError):
 
 class ParameterError(DGemmaError, ValueError):
     """A parameter value is out of its allowed range."""
+
+
+class MemoryBudgetError(DGemmaError, MemoryError):
+    """A prompt's KV cache and working memory would not fit in the memory available."""
