@@ -89,6 +89,89 @@ def measure_mlx_vlm(gguf: str, n: int, step: int) -> dict:
             "rss_growth_bytes": _rss() - rss0}
 
 
+def _random_kv(shape: tuple[int, ...], seed: int):
+    import mlx.core as mx
+
+    return mx.random.normal(shape, key=mx.random.key(seed)) * 0.5
+
+
+def sample_ours(model_dir: str, depth: int, n: int, chunk: int) -> dict:
+    """The last ``n`` tokens of a ``depth + n`` prompt: the cache is filled to ``depth`` with
+    random keys and values (same shapes and slots as a real prefill), then ``n`` real tokens
+    are prefilled. The peak is the full prompt's (its last chunks hold the largest cache and
+    scores); the rate is the one at that depth."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_dgemma.api import load
+
+    model, _ = load(model_dir)
+    a = model.args
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    prompt = _prompt(a.vocab_size, n)
+    model.prefill(prompt[:, :64], model.make_cache(), chunk_size=chunk)  # warm-up
+    cache = model.make_cache()
+    cache.reserve(depth + n)
+    for i, layer in enumerate(cache.layers):
+        kv = a.num_key_value_heads if layer.sliding else a.num_global_key_value_heads
+        d = a.head_dim if layer.sliding else a.global_head_dim
+        keep = min(depth, a.sliding_window - 1) if layer.sliding else depth
+        pos = mx.arange(depth - keep, depth, dtype=mx.int32)
+        layer._store(_random_kv((1, kv, keep, d), 2 * i), _random_kv((1, kv, keep, d), 2 * i + 1), pos)
+        layer.count = depth
+    cache.offset = depth
+    mx.eval(cache.state())
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    model.prefill(prompt, cache, chunk_size=chunk)
+    seconds = time.perf_counter() - t0
+    return {"impl": f"mlx-dgemma (chunk {chunk})", "tokens": depth + n, "sampled": n, "seconds": seconds,
+            "tokens_per_second": n / seconds, "peak_bytes": int(mx.get_peak_memory()), "kv_bytes": cache.nbytes,
+            "weights_bytes": weights}
+
+
+def sample_mlx_vlm(gguf: str, depth: int, n: int, step: int) -> dict:
+    """As :func:`sample_ours`, for mlx-vlm's caches (KVCache, RotatingKVCache)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_dgemma.reference import mlx_vlm_model_from_gguf
+
+    model = mlx_vlm_model_from_gguf(Path(gguf), dtype=mx.float32)
+    tc = model.config.text_config
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    prompt = _prompt(tc.vocab_size, n)
+
+    def run(ids, cache):
+        model.diffusion_prefill_cache(ids, cache=cache, prefill_step_size=step, chunk_prefill=ids.shape[1] > step)
+        mx.eval([c.state for c in cache])
+
+    run(prompt[:, :64], model.make_cache())  # warm-up
+    cache = model.make_cache()
+    for i, (c, kind) in enumerate(zip(cache, tc.layer_types)):
+        sliding = kind != "full_attention"
+        kv = tc.num_key_value_heads if sliding else tc.num_global_key_value_heads
+        d = tc.head_dim if sliding else tc.global_head_dim
+        keep = min(depth, tc.sliding_window) if sliding else depth
+        c.update_and_fetch(_random_kv((1, kv, keep, d), 2 * i), _random_kv((1, kv, keep, d), 2 * i + 1))
+        c.offset = depth
+    mx.eval([c.state for c in cache])
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    run(prompt, cache)
+    seconds = time.perf_counter() - t0
+    kv = sum(a.nbytes for c in cache for a in c.state)
+    return {"impl": f"mlx-vlm f32 (step {step})", "tokens": depth + n, "sampled": n, "seconds": seconds,
+            "tokens_per_second": n / seconds, "peak_bytes": int(mx.get_peak_memory()), "kv_bytes": kv,
+            "weights_bytes": weights}
+
+
+MEASURES = {"ours": measure_ours, "mlx-vlm": measure_mlx_vlm, "sample-ours": sample_ours,
+            "sample-mlx-vlm": sample_mlx_vlm}
+
+
 def isolated(kind: str, **kwargs) -> dict:
     """One measurement in a fresh interpreter (this file with --child)."""
     cmd = [sys.executable, __file__, "--child", json.dumps({"kind": kind, **kwargs})]
@@ -105,7 +188,7 @@ def _mb(b: int | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'impl':<28} {'tokens':>7} {'tok/s':>8} {'seconds':>8} {'peak MB':>8} {'KV MB':>7} " \
+    head = f"{'impl':<28} {'tokens':>7} {'timed':>6} {'tok/s':>8} {'seconds':>8} {'peak MB':>8} {'KV MB':>7} " \
            f"{'weights MB':>10} {'peak/(KV+W)':>11}"
     out = [head, "-" * len(head)]
     for r in rows:
@@ -113,7 +196,7 @@ def table(rows: list[dict]) -> str:
             out.append(f"{r['impl']:<28} {r['tokens']:>7} {r['error']}")
             continue
         ratio = r["peak_bytes"] / (r["kv_bytes"] + r["weights_bytes"])
-        out.append(f"{r['impl']:<28} {r['tokens']:>7} {r['tokens_per_second']:>8.1f} {r['seconds']:>8.1f} "
+        out.append(f"{r['impl']:<28} {r['tokens']:>7} {r.get('sampled', r['tokens']):>6} {r['tokens_per_second']:>8.1f} {r['seconds']:>8.1f} "
                    f"{_mb(r['peak_bytes']):>8} {_mb(r['kv_bytes']):>7} {_mb(r['weights_bytes']):>10} {ratio:>11.2f}")
     return "\n".join(out)
 
@@ -124,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="1024,4096,16384,32768", help="comma-separated prompt lengths")
     p.add_argument("--chunks", default="", help="comma-separated chunk sizes for ours (default: the model's default)")
     p.add_argument("--impls", default="ours,mlx-vlm", help="ours, mlx-vlm")
+    p.add_argument("--sample", type=int, default=0,
+                   help="time only the last N tokens of each length over a cache pre-filled with random keys "
+                        "(peak memory of the whole prompt, rate at that depth; for lengths too slow to run whole)")
     p.add_argument("--workdir", default=".bench-cache")
     p.add_argument("--json", default="prefill-bench.json")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -131,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         spec = json.loads(a.child)
         kind = spec.pop("kind")
-        res = measure_ours(**spec) if kind == "ours" else measure_mlx_vlm(**spec)
+        res = MEASURES[kind](**spec)
         print(json.dumps(res))
         return 0
 
@@ -143,12 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     impls = [i.strip() for i in a.impls.split(",")]
     rows = []
     for n in [int(x) for x in a.lengths.split(",")]:
+        sample = {"depth": n - a.sample, "n": a.sample} if a.sample else {"n": n}
+        pre = "sample-" if a.sample else ""
         if "ours" in impls:
             for c in chunks:
-                rows.append(isolated("ours", model_dir=str(model_dir), n=n, chunk=c))
+                rows.append(isolated(pre + "ours", model_dir=str(model_dir), chunk=c, **sample))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
         if "mlx-vlm" in impls:
-            rows.append(isolated("mlx-vlm", gguf=str(gguf), n=n, step=MLX_VLM_STEP))
+            rows.append(isolated(pre + "mlx-vlm", gguf=str(gguf), step=MLX_VLM_STEP, **sample))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     import mlx.core as mx
 
