@@ -103,3 +103,13 @@ def test_estimate_matches_the_real_cache_and_grows_linearly(loaded):
     w = [memory.prefill_working_bytes(a, n, 256) for n in (4096, 8192, 16384, 32768)]
     steps = [b - c for b, c in zip(w[1:], w)]
     assert all(s > 0 for s in steps) and steps[2] <= 4.5 * steps[0]  # linear in the context, not quadratic
+
+
+def test_cli_refuses_with_one_line_and_exit_code(tiny_model_dir, monkeypatch, capsys):
+    from mlx_dgemma.cli import main
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 20)
+    code = main(["generate", "--model", str(tiny_model_dir), "--prompt", "word " * 500, "--seed", "0"])
+    err = capsys.readouterr().err.strip()
+    assert code == MemoryBudgetError.exit_code != 0
+    assert len(err.splitlines()) == 1 and "is available" in err and "Traceback" not in err
