@@ -107,15 +107,25 @@ class Attention(nn.Module):
         return mx.fast.rope(x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset,
                             freqs=freqs)
 
+    def keys_values(self, x: mx.array, offset: int, freqs: mx.array | None) -> tuple[mx.array, mx.array]:
+        """This layer's keys and values [B, Hkv, L, D] for ``x`` at positions ``offset ..``."""
+        B, L, _ = x.shape
+        k_raw = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
+        v = self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim) if self.sliding else k_raw
+        k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset, freqs)
+        return k, rms_norm(v, self.eps).transpose(0, 2, 1, 3)
+
+    def write_cache(self, x: mx.array, cache: LayerCache, offset: int, freqs: mx.array | None) -> None:
+        """Encoder pass that only stores keys and values (the last layer: nothing reads its output)."""
+        k, v = self.keys_values(x, offset, freqs)
+        cache.attend(k, v, offset, encode=True)
+
     def __call__(self, x: mx.array, cache: LayerCache, offset: int, encode: bool,
                  freqs: mx.array | None) -> mx.array:
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        k_raw = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
-        v = self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim) if self.sliding else k_raw
         q = self.rope(self.q_norm(q).transpose(0, 2, 1, 3), offset, freqs)  # [B, H, L, D]
-        k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset, freqs)  # [B, Hkv, L, D]
-        v = rms_norm(v, self.eps).transpose(0, 2, 1, 3)  # [B, Hkv, L, D]
+        k, v = self.keys_values(x, offset, freqs)  # [B, Hkv, L, D]
         keys, values, mask = cache.attend(k, v, offset, encode)
         if encode:
             out = bounded_attention(q, keys, values, mask)
@@ -322,10 +332,18 @@ class DiffusionGemma(nn.Module):
         if step < 1:
             raise ParameterError(f"prefill chunk_size: {chunk_size}; expected a positive number of tokens (or None)")
         cache.reserve(int(cache.offset) + P)
+        freqs = self._global_freqs()
+        last = len(self.layers) - 1
         for start in range(0, P, step):
             chunk = ids[:, start:start + step]
-            # only the keys and values are needed: the last layer's MLP is never evaluated
-            self._layers(self.embed(chunk, dtype), cache, encode=True)
+            h = self.embed(chunk, dtype)
+            offset = cache.offset
+            for i, layer in enumerate(self.layers):
+                f = None if layer.self_attn.sliding else freqs
+                if i == last:  # only its keys and values are ever read: no attention, no MLP
+                    layer.self_attn.write_cache(layer.input_layernorm(h), cache[i], offset, f)
+                else:
+                    h = layer(h, cache[i], offset, True, f)
             cache.advance(chunk.shape[1])
             mx.eval(cache.state())
             yield start + chunk.shape[1]
