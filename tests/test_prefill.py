@@ -28,7 +28,9 @@ def rel_err(ours, ref) -> float:
 @pytest.fixture(scope="module")
 def gguf_and_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("prefill")
-    gguf = write_tiny_gguf(d / "tiny.gguf", TinySpec(), types="q4_k_m", seed=7)
+    # a global layer before the last: the last layer only stores keys and values, the
+    # others attend, so chunked global attention is checked too
+    gguf = write_tiny_gguf(d / "tiny.gguf", TinySpec(num_layers=4, global_layers=(1, 3)), types="q4_k_m", seed=7)
     convert(gguf, d / "mlx")
     model, _ = load_dir(d / "mlx")
     return gguf, model
