@@ -196,7 +196,8 @@ def table(rows: list[dict]) -> str:
             out.append(f"{r['impl']:<28} {r['tokens']:>7} {r['error']}")
             continue
         ratio = r["peak_bytes"] / (r["kv_bytes"] + r["weights_bytes"])
-        out.append(f"{r['impl']:<28} {r['tokens']:>7} {r.get('sampled', r['tokens']):>6} {r['tokens_per_second']:>8.1f} {r['seconds']:>8.1f} "
+        out.append(f"{r['impl']:<28} {r['tokens']:>7} {r.get('sampled', r['tokens']):>6} "
+                   f"{r['tokens_per_second']:>8.1f} {r['seconds']:>8.1f} "
                    f"{_mb(r['peak_bytes']):>8} {_mb(r['kv_bytes']):>7} {_mb(r['weights_bytes']):>10} {ratio:>11.2f}")
     return "\n".join(out)
 
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     import mlx.core as mx
 
-    print(f"\nprefill, config {a.config}, MLX {mx.__version__} backend {'GPU' if mx.default_device() == mx.gpu else 'CPU'}")
+    backend = "GPU" if mx.default_device() == mx.gpu else "CPU"
+    print(f"\nprefill, config {a.config}, MLX {mx.__version__} backend {backend}")
     print(table(rows))
     Path(a.json).write_text(json.dumps({"config": a.config, "mlx": mx.__version__,
                                         "device": str(mx.default_device()), "rows": rows}, indent=1))

@@ -113,3 +113,24 @@ def test_cli_refuses_with_one_line_and_exit_code(tiny_model_dir, monkeypatch, ca
     err = capsys.readouterr().err.strip()
     assert code == MemoryBudgetError.exit_code != 0
     assert len(err.splitlines()) == 1 and "is available" in err and "Traceback" not in err
+
+
+def test_prefill_benchmark_runs_and_reports(tmp_path, capsys):
+    """benchmarks/prefill.py end to end on `tiny` (ours only, fresh process): table and JSON."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill.py"
+    spec = importlib.util.spec_from_file_location("prefill_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "p.json"
+    assert bench.main(["--config", "tiny", "--lengths", "96", "--chunks", "32", "--impls", "ours",
+                       "--workdir", str(tmp_path / "w"), "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "error" not in row, row
+    assert row["tokens"] == 96 and row["tokens_per_second"] > 0
+    assert row["peak_bytes"] >= row["kv_bytes"] + row["weights_bytes"] > 0
+    assert row["kv_bytes"] == row["estimated_kv_bytes"]
+    assert "peak/(KV+W)" in capsys.readouterr().out
