@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -125,14 +126,23 @@ def available_bytes() -> int:
         pass
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - not Linux
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        return min(avail, _cgroup_headroom())
+    except (OSError, StopIteration, ValueError):  # pragma: no cover - not Linux
         pass
     try:  # pragma: no cover - macOS CPU
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - int(mx.get_active_memory())
     except (ValueError, OSError, AttributeError):  # pragma: no cover
+        return 1 << 62
+
+
+def _cgroup_headroom() -> int:
+    """A container's memory limit less its usage (cgroup v2), or no bound."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        return 1 << 62 if limit == "max" else max(0, int(limit) - used)
+    except (OSError, ValueError):
         return 1 << 62
 
 
