@@ -8,6 +8,11 @@ Shapes stay fixed so a compiled denoising step is reused: sliding layers use a r
 ``window - 1`` slots; global layers grow in buckets of ``bucket`` slots. ``pos`` holds each
 slot's position (-1 for an empty slot) and the masks are built from it, so unused slots are
 never attended and the order of slots does not matter (RoPE is applied before caching).
+
+The encoder writes in chunks (``DiffusionGemma.prefill``): a chunk of ``n`` tokens sees the
+ring plus itself on sliding layers (``window - 1 + n`` keys, a banded boolean mask) and the
+global layer's filled slots, which hold positions ``0 .. offset + n - 1`` in order, so MLX's
+bottom-right aligned ``"causal"`` mask is exact there and no mask array is built.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class LayerCache:
         self.values: mx.array | None = None
         self.pos: mx.array | None = None  # [capacity] int32, -1 = empty
         self.count = 0  # positions written so far
+        self.reserved = 0  # global layers: allocate at least this many slots on the next growth
 
     @property
     def capacity(self) -> int:
@@ -50,31 +56,45 @@ class LayerCache:
             self.values = mx.concatenate([self.values, zv], axis=2)
             self.pos = mx.concatenate([self.pos, empty])
 
-    def attend(self, k: mx.array, v: mx.array, offset: int | mx.array, encode: bool):
+    def reserve(self, positions: int) -> None:
+        """Global layers: size the next growth for ``positions`` in all, so a long prompt
+        allocates once instead of copying the cache at every bucket (sliding rings are fixed)."""
+        if not self.sliding:
+            self.reserved = max(self.reserved, positions)
+
+    def attend(self, k: mx.array, v: mx.array, offset: int | mx.array,
+               encode: bool) -> tuple[mx.array, mx.array, mx.array | str | None]:
         """Keys, values and mask for queries at positions ``offset ..``; the encoder also stores.
 
-        Encoder: causal (and windowed on sliding layers) over cache + new tokens.
+        Encoder (``offset`` an int): causal (and windowed on sliding layers) over cache + new
+        tokens; the mask is ``"causal"`` or ``None`` where that is exact, else boolean [n, S].
         Decoder: the canvas sees every filled cache slot and itself, bidirectionally.
         """
+        if encode:
+            return self._encode(k, v, int(offset))
         n = k.shape[2]
         if self.keys is None:
-            keys, values, k_pos = k, v, None
+            return k, v, None
+        keys = mx.concatenate([self.keys, k], axis=2)
+        values = mx.concatenate([self.values, v], axis=2)
+        visible = mx.concatenate([self.pos >= 0, mx.ones((n,), dtype=mx.bool_)])
+        return keys, values, visible[None, None, None, :]
+
+    def _encode(self, k: mx.array, v: mx.array, offset: int) -> tuple[mx.array, mx.array, mx.array | str | None]:
+        n = k.shape[2]
+        new_pos = mx.arange(offset, offset + n, dtype=mx.int32)
+        if not self.sliding:
+            # store first: the filled slots are then exactly positions 0 .. offset + n - 1
+            self._store(k, v, new_pos)
+            end = self.count
+            return self.keys[:, :, :end], self.values[:, :, :end], "causal" if n > 1 else None
+        if self.keys is None:  # first chunk: only itself; the window binds only past `window` tokens
+            keys, values = k, v
+            mask = ("causal" if n > 1 else None) if n <= self.window else _banded(new_pos, new_pos, self.window)
         else:
             keys = mx.concatenate([self.keys, k], axis=2)
             values = mx.concatenate([self.values, v], axis=2)
-            k_pos = self.pos
-        if not encode:
-            if k_pos is None:
-                return keys, values, None
-            visible = mx.concatenate([k_pos >= 0, mx.ones((n,), dtype=mx.bool_)])
-            return keys, values, visible[None, None, None, :]
-        new_pos = mx.arange(n, dtype=mx.int32) + offset
-        all_pos = new_pos if k_pos is None else mx.concatenate([k_pos, new_pos])
-        q = new_pos[:, None]
-        kp = all_pos[None, :]
-        mask = (kp >= 0) & (kp <= q)
-        if self.sliding:
-            mask = mask & (q - kp < self.window)
+            mask = _banded(new_pos, mx.concatenate([self.pos, new_pos]), self.window)
         self._store(k, v, new_pos)
         return keys, values, mask
 
@@ -92,7 +112,7 @@ class LayerCache:
         else:
             need = self.count + n
             if need > self.capacity:
-                self._allocate(k, v, -(-need // self.bucket) * self.bucket)
+                self._allocate(k, v, -(-max(need, self.reserved) // self.bucket) * self.bucket)
             self.keys[:, :, self.count:need] = k
             self.values[:, :, self.count:need] = v
             self.pos[self.count:need] = new_pos
@@ -110,6 +130,12 @@ class LayerCache:
         return view
 
 
+def _banded(q_pos: mx.array, k_pos: mx.array, window: int) -> mx.array:
+    """Causal sliding-window mask [n, S] from positions (-1 marks an empty slot)."""
+    q, kp = q_pos[:, None], k_pos[None, :]
+    return (kp >= 0) & (kp <= q) & (q - kp < window)
+
+
 class KVCache:
     """Per-layer caches plus the number of positions encoded so far."""
 
@@ -123,6 +149,11 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         self.offset += n
+
+    def reserve(self, positions: int) -> None:
+        """Allocate the global layers for ``positions`` in all at their next growth."""
+        for c in self.layers:
+            c.reserve(positions)
 
     def state(self) -> list[mx.array]:
         return [a for c in self.layers for a in c.state()]

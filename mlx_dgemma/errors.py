@@ -60,3 +60,7 @@ def terminate_as_interrupt() -> Iterator[None]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+class MemoryBudgetError(DGemmaError, MemoryError):
+    """A prompt's KV cache and working memory would not fit in the memory available."""

@@ -20,7 +20,8 @@ import numpy as np
 from .cache import KVCache
 from .chat import ParsedAnswer, parse_answer, render_chat
 from .errors import NonFiniteError, ParameterError
-from .model import DiffusionGemma
+from .memory import check_fits, estimate
+from .model import DEFAULT_PREFILL_CHUNK, DiffusionGemma
 from .sampler import SamplerParams, finalize_block, temperature
 from .step import StepFunction
 from .tokenizer import Tokenizer
@@ -90,11 +91,23 @@ class DoneEvent:
 
 @dataclass(frozen=True)
 class PrefillEvent:
+    """The prompt is encoded (after its last PrefillProgressEvent)."""
+
     tokens: int
     seconds: float
 
 
-Event = StepEvent | BlockEvent | DoneEvent | PrefillEvent
+@dataclass(frozen=True)
+class PrefillProgressEvent:
+    """One prefill chunk done. The consumer may stop iterating here: the cache then holds
+    the chunks done, and nothing else runs."""
+
+    tokens_done: int
+    tokens_total: int
+    seconds: float  # since the prefill began
+
+
+Event = StepEvent | BlockEvent | DoneEvent | PrefillEvent | PrefillProgressEvent
 
 
 @dataclass
@@ -193,6 +206,7 @@ class ChatSession:
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.cache = model.make_cache()
         self.history: list[int] = []  # every token in the cache, in order
+        self.prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK
 
     def reset(self) -> None:
         self.cache = self.model.make_cache()
@@ -217,12 +231,23 @@ class ChatSession:
             raise ParameterError("prompt: empty; give some text")
         new = self._new_prompt_tokens(user)
         params = self.params.with_overrides(**overrides)
+        if self.cache.offset != len(self.history):
+            # an earlier turn stopped mid-way (a cancelled prefill, a consumer that stopped
+            # iterating): its cache no longer matches the history, so encode it all again
+            self.cache = self.model.make_cache()
+            new, self.history = self.history + new, []
         answer_ids: list[int] = []
-        for ev in _run(self.model, self.tokenizer, self.cache, new, params, self.dtype, cancel,
-                       history_len=len(self.history), commit_last=True):
-            if isinstance(ev, DoneEvent):
-                answer_ids = list(ev.tokens)
-            yield ev
+        finished = False
+        try:
+            for ev in _run(self.model, self.tokenizer, self.cache, new, params, self.dtype, cancel,
+                           history_len=len(self.history), commit_last=True, chunk_size=self.prefill_chunk_size):
+                if isinstance(ev, DoneEvent):
+                    answer_ids = list(ev.tokens)
+                yield ev
+            finished = True
+        finally:
+            if not finished and self.messages and self.messages[-1]["role"] == "user":
+                self.messages.pop()  # the consumer stopped iterating: this turn did not happen
         self.history += new + answer_ids
         self.messages.append({"role": "assistant", "content": parse_answer(
             self.tokenizer.decode(answer_ids)).answer})
@@ -231,8 +256,15 @@ class ChatSession:
 def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | list[dict[str, str]] | list[int],
                     *, generation_config: dict | None = None, dtype: mx.Dtype | None = None,
                     enable_thinking: bool = False, chat: bool = True,
-                    cancel: Callable[[], bool] | None = None, **params: Any) -> Iterator[Event]:
-    """Generate an answer; yields PrefillEvent, StepEvents, BlockEvents, then a DoneEvent.
+                    cancel: Callable[[], bool] | None = None,
+                    prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK, **params: Any) -> Iterator[Event]:
+    """Generate an answer; yields PrefillProgressEvents (one per prefill chunk of
+    ``prefill_chunk_size`` tokens, when the prompt spans several), a PrefillEvent, StepEvents,
+    BlockEvents, then a DoneEvent.
+
+    Before any work the prompt is checked against the model's context and its memory
+    estimate (KV cache and working memory) against the memory available: ParameterError or
+    MemoryBudgetError. ``cancel`` is polled between prefill chunks and denoising steps.
 
     ``prompt`` is a user message (rendered with the chat template unless ``chat=False``),
     a list of messages, or token ids. ``params`` override generation_config values
@@ -253,14 +285,15 @@ def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | l
         ids = [int(t) for t in prompt]
     if not ids:
         raise ParameterError("prompt: no tokens; give some text")
-    yield from _run(model, tokenizer, model.make_cache(), ids, p, dtype, cancel, history_len=0)
+    yield from _run(model, tokenizer, model.make_cache(), ids, p, dtype, cancel, history_len=0,
+                    chunk_size=prefill_chunk_size)
 
 
 def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[int], p: SamplerParams,
          dtype: mx.Dtype, cancel: Callable[[], bool] | None, history_len: int,
-         commit_last: bool = False) -> Iterator[Event]:
-    """Prefill ``ids`` into ``cache`` and generate. ``commit_last`` also encodes the final
-    block, so a chat session's cache holds the whole answer for the next turn."""
+         commit_last: bool = False, chunk_size: int | None = DEFAULT_PREFILL_CHUNK) -> Iterator[Event]:
+    """Prefill ``ids`` into ``cache`` (in chunks) and generate. ``commit_last`` also encodes
+    the final block, so a chat session's cache holds the whole answer for the next turn."""
     C = model.args.canvas_length
     n_blocks = math.ceil(p.max_new_tokens / C)
     limit = model.args.max_position_embeddings
@@ -269,10 +302,23 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
                              f"the context of {limit}; shorten the prompt or max_new_tokens")
     if max(ids) >= model.args.vocab_size or min(ids) < 0:
         raise ParameterError(f"prompt: token ids must be in [0, {model.args.vocab_size})")
+    if chunk_size is not None and chunk_size < 1:
+        raise ParameterError(f"prefill_chunk_size: {chunk_size}; expected a positive number of tokens")
+    dtype = dtype or getattr(model, "activation_dtype", mx.float32)  # the runtime precision's
+    if isinstance(cache, KVCache):  # a real model (test doubles have no shapes to estimate)
+        check_fits(estimate(model.args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
+                            chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids))
     mx.reset_peak_memory() if hasattr(mx, "reset_peak_memory") else None
     key = mx.random.key(p.seed if p.seed is not None else time.time_ns() % (2**63))
     t0 = time.perf_counter()
-    model.prefill(mx.array([ids], dtype=mx.int32), cache, dtype=dtype)
+    chunked = chunk_size is not None and len(ids) > chunk_size  # progress only for prompts of several chunks
+    for done in model.prefill_chunks(mx.array([ids], dtype=mx.int32), cache, dtype=dtype, chunk_size=chunk_size):
+        if chunked:
+            yield PrefillProgressEvent(done, len(ids), time.perf_counter() - t0)
+        if done < len(ids) and cancel is not None and cancel():
+            yield DoneEvent("", "", (), "cancelled", len(ids), time.perf_counter() - t0, 0.0, 0, (), 0.0, 0.0, 0.0,
+                            _peak_memory())
+            return
     prefill_s = time.perf_counter() - t0
     yield PrefillEvent(len(ids), prefill_s)
     out: list[int] = []

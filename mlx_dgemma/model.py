@@ -8,6 +8,7 @@ decoder share every weight except the per-layer output scalar. No I/O and no sam
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,10 +17,18 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear, _gather_sort, _scatter_unsort
 
 from .cache import KVCache, LayerCache
+from .errors import ParameterError
 from .quantized import FloatEmbedding
 
 # Token-expert pairs at or above this count are sorted by expert before gather_qmm.
 _SORT_THRESHOLD = 64
+
+# Prompt tokens per encoder pass. Measured on `medium` (benchmarks/prefill.py, RESULTS.md):
+# throughput is flat from 256 to 1024 tokens and the working memory grows with the chunk.
+DEFAULT_PREFILL_CHUNK = 512
+# Upper bound on one attention call's float32 scores during prefill: longer contexts split
+# the chunk's queries so the global layer's working memory stays flat as the cache grows.
+ATTENTION_SCORES_BUDGET = 64 << 20
 
 
 @dataclass
@@ -98,19 +107,62 @@ class Attention(nn.Module):
         return mx.fast.rope(x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset,
                             freqs=freqs)
 
+    def keys_values(self, x: mx.array, offset: int, freqs: mx.array | None) -> tuple[mx.array, mx.array]:
+        """This layer's keys and values [B, Hkv, L, D] for ``x`` at positions ``offset ..``."""
+        B, L, _ = x.shape
+        k_raw = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
+        v = self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim) if self.sliding else k_raw
+        k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset, freqs)
+        return k, rms_norm(v, self.eps).transpose(0, 2, 1, 3)
+
+    def write_cache(self, x: mx.array, cache: LayerCache, offset: int, freqs: mx.array | None) -> None:
+        """Encoder pass that only stores keys and values (the last layer: nothing reads its output)."""
+        k, v = self.keys_values(x, offset, freqs)
+        cache.attend(k, v, offset, encode=True)
+
     def __call__(self, x: mx.array, cache: LayerCache, offset: int, encode: bool,
                  freqs: mx.array | None) -> mx.array:
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        k_raw = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
-        v = self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim) if self.sliding else k_raw
         q = self.rope(self.q_norm(q).transpose(0, 2, 1, 3), offset, freqs)  # [B, H, L, D]
-        k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset, freqs)  # [B, Hkv, L, D]
-        v = rms_norm(v, self.eps).transpose(0, 2, 1, 3)  # [B, Hkv, L, D]
+        k, v = self.keys_values(x, offset, freqs)  # [B, Hkv, L, D]
         keys, values, mask = cache.attend(k, v, offset, encode)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
+        if encode:
+            out = bounded_attention(q, keys, values, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # [B, L, H*D]
         return self.o_proj(out)
+
+
+def bounded_attention(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str | None,
+                      budget: int = ATTENTION_SCORES_BUDGET) -> mx.array:
+    """``scaled_dot_product_attention`` (scale 1) over query blocks whose scores fit ``budget``.
+
+    Queries are independent, so splitting them is exact. With the bottom-right aligned
+    ``"causal"`` mask a block ending at query ``b`` needs only the first ``S - L + b`` keys,
+    which also skips the masked future of earlier blocks.
+    """
+    B, H, L, _ = q.shape
+    S = keys.shape[2]
+    rows = max(1, budget // (B * H * S * 4))
+    if rows >= L:
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
+    outs = []
+    for a in range(0, L, rows):
+        b = min(L, a + rows)
+        if isinstance(mask, str):  # "causal"
+            end = S - L + b
+            out = mx.fast.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :end], values[:, :, :end],
+                                                       scale=1.0, mask="causal")
+        else:
+            m = None if mask is None else mask[..., a:b, :]
+            out = mx.fast.scaled_dot_product_attention(q[:, :, a:b], keys, values, scale=1.0, mask=m)
+        # evaluated block by block: left lazy, MLX schedules the blocks side by side and all
+        # their scores are alive at once (measured: the same peak as one unsplit call)
+        mx.eval(out)
+        outs.append(out)
+    return mx.concatenate(outs, axis=2)
 
 
 class MLP(nn.Module):
@@ -260,12 +312,45 @@ class DiffusionGemma(nn.Module):
             h = layer(h, cache[i], offset, encode, None if layer.self_attn.sliding else freqs)
         return h
 
-    def prefill(self, ids: mx.array, cache: KVCache, dtype: mx.Dtype | None = None) -> None:
-        """Encoder pass: causal (windowed on sliding layers) over ``ids`` [B, P]; extends the cache."""
-        h = self.embed(ids, dtype or self.activation_dtype)
-        h = self._layers(h, cache, encode=True)
-        cache.advance(ids.shape[1])
-        mx.eval(cache.state())
+    def prefill(self, ids: mx.array, cache: KVCache, dtype: mx.Dtype | None = None,
+                chunk_size: int | None = DEFAULT_PREFILL_CHUNK) -> None:
+        """Encoder pass: causal (windowed on sliding layers) over ``ids`` [B, P]; extends the cache.
+
+        Runs in chunks of ``chunk_size`` tokens (``None``: one pass), see :meth:`prefill_chunks`.
+        """
+        for _ in self.prefill_chunks(ids, cache, dtype, chunk_size):
+            pass
+
+    def prefill_chunks(self, ids: mx.array, cache: KVCache, dtype: mx.Dtype | None = None,
+                       chunk_size: int | None = DEFAULT_PREFILL_CHUNK) -> Iterator[int]:
+        """The encoder pass in chunks; yields the tokens done after each evaluated chunk.
+
+        Each chunk attends causally to the cache so far and to itself, so the result equals
+        one pass over all of ``ids`` (to float32 rounding) while the working memory depends on
+        the chunk, not the prompt. Stopping the iteration between chunks leaves a consistent
+        cache holding the chunks done. ``dtype`` defaults to the model's ``activation_dtype``.
+        """
+        dtype = dtype or self.activation_dtype
+        P = ids.shape[1]
+        step = P if chunk_size is None else int(chunk_size)
+        if step < 1:
+            raise ParameterError(f"prefill chunk_size: {chunk_size}; expected a positive number of tokens (or None)")
+        cache.reserve(int(cache.offset) + P)
+        freqs = self._global_freqs()
+        last = len(self.layers) - 1
+        for start in range(0, P, step):
+            chunk = ids[:, start:start + step]
+            h = self.embed(chunk, dtype)
+            offset = cache.offset
+            for i, layer in enumerate(self.layers):
+                f = None if layer.self_attn.sliding else freqs
+                if i == last:  # only its keys and values are ever read: no attention, no MLP
+                    layer.self_attn.write_cache(layer.input_layernorm(h), cache[i], offset, f)
+                else:
+                    h = layer(h, cache[i], offset, True, f)
+            cache.advance(chunk.shape[1])
+            mx.eval(cache.state())
+            yield start + chunk.shape[1]
 
     def denoise(self, canvas: mx.array, cache: KVCache, self_conditioning_logits: mx.array | None = None,
                 dtype: mx.Dtype | None = None, sc_top_k: int | None = None) -> mx.array:

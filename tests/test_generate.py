@@ -110,6 +110,10 @@ class EosModel:
     def prefill(self, ids, cache, dtype=None):
         self.prefills.append(ids.shape[1])
 
+    def prefill_chunks(self, ids, cache, dtype=None, chunk_size=None):
+        self.prefill(ids, cache)
+        yield ids.shape[1]
+
     def denoise(self, canvas, cache, sc, dtype=None, sc_top_k=None):
         C, V = self.args.canvas_length, self.args.vocab_size
         x = np.full((1, C, V), -30.0, np.float32)

@@ -13,7 +13,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
-from mlx_dgemma.generation import BlockEvent, DoneEvent, PrefillEvent, StepEvent
+from mlx_dgemma.generation import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
 from mlx_dgemma.trace import Trace
 
 from ..engine import Job
@@ -99,7 +99,10 @@ class ChatScreen(Screen):
         if m.answer_id != self.answer_id:
             return  # a late event of an answer the user has left
         ev = m.event
-        if isinstance(ev, PrefillEvent):
+        if isinstance(ev, PrefillProgressEvent):  # a long prompt: chunks done so far; Escape stops between chunks
+            self.query_one(StatusLine).update(f"prefill {ev.tokens_done:,}/{ev.tokens_total:,} tokens "
+                                              f"({ev.seconds:.0f} s)  escape: cancel")
+        elif isinstance(ev, PrefillEvent):
             self._prefill_tps = ev.tokens / ev.seconds if ev.seconds > 0 else None
         elif isinstance(ev, StepEvent):
             self.trace.add(ev)
