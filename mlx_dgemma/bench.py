@@ -55,6 +55,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="mlx-vlm,mlx-vlm-q4,hf", help="comma-separated peers, or 'none'")
     p.add_argument("--extras", default="breakdown,quality,moe,sc,compact",
                    help="comma-separated extra studies: breakdown, quality, moe, sc, compact (or 'none')")
+    p.add_argument("--quality-prompts", type=int, default=3,
+                   help="generations (exact and fast, same seeds) compared block by block in the quality study")
     p.add_argument("--child-timeout", type=float, default=3600,
                    help="seconds one isolated measurement may take before it is reported as timed out")
     p.add_argument("--no-eager", action="store_true", help="skip the eager (uncompiled) step measurements")
@@ -592,7 +594,7 @@ def run(args: argparse.Namespace) -> dict:
                                   for prec in precisions}
         if "quality" in extras:
             entry["quality"] = isolated("quality", timeout=args.child_timeout, model_dir=str(model_dir),
-                                        prompt_len=args.prompt_len, dtype=args.dtype)
+                                        prompt_len=args.prompt_len, dtype=args.dtype, prompts=args.quality_prompts)
         if "moe" in extras:
             entry["moe"] = isolated("moe_alternatives", model_dir=str(model_dir), steps=args.steps)
         if "sc" in extras:

