@@ -41,7 +41,12 @@ def _run_verify(out_dir: str, gguf: str) -> int:
     report = verify(out_dir, gguf, progress=lambda i, n, name: bar.update(i, n, name))
     for line in report.mismatches:
         print(f"MISMATCH {line}")
-    verdict = "all exact" if report.ok else f"{len(report.mismatches)} tensor(s) differ"
+    if report.compact:  # lossy by design: held to the error bounds its conversion recorded
+        verdict = (f"a --compact directory: {report.exact} exact, {len(report.max_abs_error)} within the recorded "
+                   "compact error bounds" if report.ok else f"{len(report.mismatches)} tensor(s) outside the "
+                   "recorded compact error bounds")
+    else:
+        verdict = "all exact" if report.ok else f"{len(report.mismatches)} tensor(s) differ"
     print(f"verified {report.checked} tensors of {out_dir} against {gguf}: {verdict}")
     return 0 if report.ok else 1
 
