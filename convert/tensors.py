@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-from ..errors import NonFiniteError
+from mlx_dgemma.errors import NonFiniteError
 from .errors import ConvertError
 from .names import expected_tensors, mlx_name
 from .metadata import TextConfig
