@@ -98,7 +98,6 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
         rope = args.rope_parameters["sliding_attention" if self.sliding else "full_attention"]
         self.rope_base = float(rope["rope_theta"])
-        self.rotated = int(rope.get("partial_rotary_factor", 1.0) * self.head_dim // 2)
 
     def rope(self, x: mx.array, offset: int, freqs: mx.array | None) -> mx.array:
         if freqs is None:
