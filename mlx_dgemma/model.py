@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchLinear, _gather_sort, _scatter_unsort
+from mlx_lm.models.switch_layers import SwitchLinear
 
 from .cache import KVCache, LayerCache
 from .errors import ParameterError
@@ -73,6 +73,27 @@ class ModelArgs:
 def _gelu(x: mx.array) -> mx.array:
     # transformers' gelu_pytorch_tanh
     return nn.gelu_approx(x)
+
+
+# _gather_sort and _scatter_unsort: copied from mlx-lm 0.32.2, mlx_lm/models/switch_layers.py
+# (MIT License, Copyright (c) 2023 Apple Inc.), unchanged but for type hints and docstrings,
+# because they are private there and may change or go without notice.
+def _gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Rows of ``x`` repeated per chosen expert and sorted by expert id, the sorted ids, and the
+    permutation that undoes the sort (``_scatter_unsort``)."""
+    *_, M = indices.shape
+    indices = indices.flatten()
+    order = mx.argsort(indices)
+    inv_order = mx.argsort(order)
+    return x.flatten(0, -3)[order // M], indices[order], inv_order
+
+
+def _scatter_unsort(x: mx.array, inv_order: mx.array, shape: tuple[int, ...] | None = None) -> mx.array:
+    """Undo ``_gather_sort``: back to token order, unflattened to ``shape`` along axis 0."""
+    x = x[inv_order]
+    if shape is not None:
+        x = mx.unflatten(x, 0, shape)
+    return x
 
 
 def rms_norm(x: mx.array, eps: float) -> mx.array:
