@@ -138,3 +138,10 @@ def test_convert_and_tui_reach_the_core_by_absolute_imports():
                         bad.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: relative import "
                                    f"leaves {own}; write `from mlx_dgemma.<module> import ...`")
     assert not bad, "\n".join(bad)
+
+
+def test_no_private_names_from_mlx_lm():
+    # mlx-lm's private helpers change without notice: vendor them (model.py does) instead.
+    bad = [f"{f}:{line} imports {m}.{name}" for f, m, name, line in _all_imports()
+           if _under(m, "mlx_lm") and (name.startswith("_") or any(p.startswith("_") for p in m.split(".")))]
+    assert not bad, "\n".join(bad)
