@@ -29,8 +29,8 @@ from gguf import GGUFReader
 from mlx_dgemma.paths import user_path
 
 from .errors import ConvertError
-from ..errors import NonFiniteError, terminate_as_interrupt
-from ..validate import check_gguf_metadata, check_tokenizer_data, scan_gguf
+from mlx_dgemma.errors import NonFiniteError, terminate_as_interrupt
+from mlx_dgemma.validate import check_gguf_metadata, check_tokenizer_data, scan_gguf
 from .metadata import (ARCH, TextConfig, array_len, field_kinds, field_value, generation_config,
                        partial_rotary_factor, read_metadata)
 from .names import mlx_name

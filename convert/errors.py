@@ -1,6 +1,6 @@
 """Conversion errors (one-line, user-facing)."""
 
-from ..errors import DGemmaError
+from mlx_dgemma.errors import DGemmaError
 
 
 class ConvertError(DGemmaError):

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-from ..errors import NonFiniteError
+from mlx_dgemma.errors import NonFiniteError
 from .errors import ConvertError
 from .names import expected_tensors, mlx_name
 from .metadata import TextConfig
@@ -47,7 +46,6 @@ class Converted:
     n_elements: int
     gguf_bytes: int
     max_abs_error: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -184,8 +182,3 @@ class BF16Payload(np.ndarray):
 
     def __new__(cls, a: np.ndarray):
         return np.asarray(a, dtype=np.uint16).view(cls)
-
-
-def iter_converted(reader: GGUFReader, compact: bool = False) -> Iterator[Converted]:
-    for t in reader.tensors:
-        yield convert_tensor(t, compact=compact)

@@ -20,7 +20,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from mlx_dgemma.paths import user_path
 
-from ..validate import check_model_dir, check_safetensors, model_dir_shards
+from mlx_dgemma.validate import check_model_dir, check_safetensors, model_dir_shards
 from .converter import model_metadata, open_gguf
 from .errors import ConvertError
 from .metadata import ARCH, TextConfig

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "generate", "stream_generate", "ChatSession", "__version__"]
+_EVENTS = ("StepEvent", "BlockEvent", "DoneEvent", "PrefillEvent", "PrefillProgressEvent", "Event")
+
+__all__ = ["load", "generate", "stream_generate", "ChatSession", *_EVENTS, "__version__"]
 
 
 def __getattr__(name: str):
@@ -22,4 +24,9 @@ def __getattr__(name: str):
         from . import generation as g
 
         return getattr(g, name)
+    if name in _EVENTS:
+        # Plain data (numpy only): no MLX import.
+        from . import events
+
+        return getattr(events, name)
     raise AttributeError(name)

@@ -20,6 +20,8 @@ import numpy as np
 from .cache import KVCache
 from .chat import ParsedAnswer, parse_answer, render_chat
 from .errors import NonFiniteError, ParameterError
+# The events live in mlx_dgemma.events (numpy only); re-exported here for older imports.
+from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent  # noqa: F401
 from .memory import check_fits, estimate
 from .model import DEFAULT_PREFILL_CHUNK, DiffusionGemma
 from .sampler import SamplerParams, finalize_block, temperature
@@ -37,77 +39,6 @@ CONTINUATION_TEMPLATE = (
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
     return a
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """One denoising step of one block (arrays are read-only, one row per canvas position)."""
-
-    block: int  # 0-based block index
-    step: int  # 1-based step within the block
-    max_steps: int
-    canvas: np.ndarray  # the next canvas: accepted draws, renoised elsewhere [C] int32
-    draft: np.ndarray  # argmax canvas of this step [C] int32
-    accepted: np.ndarray  # [C] bool
-    entropy: np.ndarray  # [C] float32, of the temperature-scaled logits
-    mean_entropy: float
-    temperature: float
-    seconds: float
-    stopped: bool  # the stopping rule fired at this step
-
-
-@dataclass(frozen=True)
-class BlockEvent:
-    """A committed block (the argmax canvas at the stopping step, padded after EOS)."""
-
-    block: int
-    tokens: tuple[int, ...]
-    steps: int
-    finished: bool  # an EOS id was committed
-    text: str  # the answer so far (thought channel removed)
-    thinking: str  # the thought channel so far
-    raw_text: str  # everything decoded, specials included
-
-
-@dataclass(frozen=True)
-class DoneEvent:
-    """The summary of one answer."""
-
-    text: str
-    thinking: str
-    tokens: tuple[int, ...]
-    finish_reason: str  # "eos" | "length" | "cancelled"
-    prompt_tokens: int
-    prefill_seconds: float
-    prefill_tokens_per_second: float
-    steps: int
-    steps_per_block: tuple[int, ...]
-    seconds_per_step: float
-    tokens_per_forward: float
-    generation_seconds: float
-    peak_memory_bytes: int
-    precision: str = ""  # the runtime precision that ran, e.g. "fast (bfloat16)"
-
-
-@dataclass(frozen=True)
-class PrefillEvent:
-    """The prompt is encoded (after its last PrefillProgressEvent)."""
-
-    tokens: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class PrefillProgressEvent:
-    """One prefill chunk done. The consumer may stop iterating here: the cache then holds
-    the chunks done, and nothing else runs."""
-
-    tokens_done: int
-    tokens_total: int
-    seconds: float  # since the prefill began
-
-
-Event = StepEvent | BlockEvent | DoneEvent | PrefillEvent | PrefillProgressEvent
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchLinear, _gather_sort, _scatter_unsort
+from mlx_lm.models.switch_layers import SwitchLinear
 
 from .cache import KVCache, LayerCache
 from .errors import ParameterError
@@ -75,6 +75,27 @@ def _gelu(x: mx.array) -> mx.array:
     return nn.gelu_approx(x)
 
 
+# _gather_sort and _scatter_unsort: copied from mlx-lm 0.32.2, mlx_lm/models/switch_layers.py
+# (MIT License, Copyright (c) 2023 Apple Inc.), unchanged but for type hints and docstrings,
+# because they are private there and may change or go without notice.
+def _gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Rows of ``x`` repeated per chosen expert and sorted by expert id, the sorted ids, and the
+    permutation that undoes the sort (``_scatter_unsort``)."""
+    *_, M = indices.shape
+    indices = indices.flatten()
+    order = mx.argsort(indices)
+    inv_order = mx.argsort(order)
+    return x.flatten(0, -3)[order // M], indices[order], inv_order
+
+
+def _scatter_unsort(x: mx.array, inv_order: mx.array, shape: tuple[int, ...] | None = None) -> mx.array:
+    """Undo ``_gather_sort``: back to token order, unflattened to ``shape`` along axis 0."""
+    x = x[inv_order]
+    if shape is not None:
+        x = mx.unflatten(x, 0, shape)
+    return x
+
+
 def rms_norm(x: mx.array, eps: float) -> mx.array:
     """RMS norm without a weight (the v norm, the router's and self-conditioning's post norm)."""
     return mx.fast.rms_norm(x, None, eps)
@@ -98,7 +119,6 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
         rope = args.rope_parameters["sliding_attention" if self.sliding else "full_attention"]
         self.rope_base = float(rope["rope_theta"])
-        self.rotated = int(rope.get("partial_rotary_factor", 1.0) * self.head_dim // 2)
 
     def rope(self, x: mx.array, offset: int, freqs: mx.array | None) -> mx.array:
         if freqs is None:

@@ -110,9 +110,6 @@ class Tokenizer:
         tmpl = path / "chat_template.jinja"
         return cls(read_json(f), tmpl.read_text(encoding="utf-8") if tmpl.is_file() else None, source=str(f))
 
-    def token_id(self, token: str) -> int | None:
-        return self._backend.token_to_id(token)
-
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         check_text(text)
         ids = self._backend.encode(text, add_special_tokens=False).ids

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import ParameterError
-from .generation import StepEvent
+from .events import StepEvent
 from .paths import user_path
 
 

@@ -62,7 +62,7 @@ async def test_prompt_fills_canvas_step_by_step_and_answers():
         view = screen(app).query_one(CanvasView)
         drawn = []
         real_show = view.show
-        view.show = lambda ev, earlier, caption="": (drawn.append((ev.block, ev.step)), real_show(ev, earlier))
+        view.show = lambda ev, earlier: (drawn.append((ev.block, ev.step)), real_show(ev, earlier))
         await send(pilot, "Why blue?")
         await wait_for(pilot, lambda: done(app))
         s = screen(app)

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from mlx_dgemma.generation import BlockEvent, DoneEvent, PrefillEvent, StepEvent
+from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
 
 WORDS = ["The", " sky", " is", " blue", " because", " air", " scatters", " short", " waves", ".",
          " Light", " from", " the", " sun", " bends", "!"]

@@ -37,17 +37,17 @@ class ModelBackend:
         self.canvas_length = 0
 
     def load(self, progress: Callable[[str], None]) -> None:
-        from ..generation import ChatSession
-        from ..precision import resolve_precision
+        from mlx_dgemma.generation import ChatSession
+        from mlx_dgemma.precision import resolve_precision
 
         prec = resolve_precision(self.precision, self.dtype)
         if self.demo:
-            from ..demo import load_demo
+            from mlx_dgemma.demo import load_demo
 
             progress("loading the demo model")
             model, tok = load_demo(precision=prec)
         else:
-            from ..api import load
+            from mlx_dgemma.api import load
 
             model, tok = load(self.model_path, precision=prec,
                               progress=lambda i, n, name: progress(f"loading {i}/{n} {name}"))
@@ -73,7 +73,7 @@ class ModelBackend:
     def memory_bytes(self) -> int:
         import mlx.core as mx
 
-        from ..generation import current_rss_bytes
+        from mlx_dgemma.generation import current_rss_bytes
 
         active = int(mx.get_active_memory()) if hasattr(mx, "get_active_memory") else 0
         return active if active > 64 << 20 else current_rss_bytes()

@@ -13,7 +13,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
-from mlx_dgemma.generation import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
+from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
 from mlx_dgemma.trace import Trace
 
 from ..engine import Job

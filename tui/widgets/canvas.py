@@ -33,14 +33,13 @@ class CanvasView(Widget):
         self.piece = piece or str
         self.event = None
         self.earlier = None  # positions accepted at an earlier step of the same block
-        self.caption = ""
 
-    def show(self, event, earlier, caption: str = "") -> None:
-        self.event, self.earlier, self.caption = event, earlier, caption
+    def show(self, event, earlier) -> None:
+        self.event, self.earlier = event, earlier
         self.version += 1
 
     def clear(self) -> None:
-        self.event, self.earlier, self.caption = None, None, ""
+        self.event, self.earlier = None, None
         self.version += 1
 
     def render(self) -> Text:

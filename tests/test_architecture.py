@@ -1,0 +1,147 @@
+"""The package layout rules (docs/architecture.md), checked without running the model."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_events_are_plain_data_without_mlx():
+    # The trace, the TUI screens and the TUI's test fakes read events: none of them may need MLX.
+    code = ("import sys; import mlx_dgemma.events, mlx_dgemma.trace, tests.tui_fakes; "
+            "from mlx_dgemma import StepEvent, DoneEvent; "
+            "assert StepEvent is mlx_dgemma.events.StepEvent; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'mlx'); "
+            "assert not bad, f'MLX imported: {bad}'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_fakes_and_generation_share_the_event_classes():
+    # generation.py re-exports the events: old imports and the package name the same classes.
+    import mlx_dgemma
+    from mlx_dgemma import events, generation
+
+    for name in events.__all__:
+        assert getattr(generation, name) is getattr(events, name) is getattr(mlx_dgemma, name), name
+
+
+# The dependency rule, read from the source with `ast` (nothing is imported): the core
+# (mlx_dgemma/*.py) imports neither mlx_dgemma.tui nor mlx_dgemma.convert; convert/ and tui/
+# reach the core only by public names of public modules and absolute imports, and not each other.
+# Today's exceptions, each (core file, module it imports); docs/architecture.md says why.
+# A new exception fails the test: move the code, or argue for it here and in the doc.
+KNOWN_CORE_EXCEPTIONS = {
+    # load_gguf converts a .gguf in memory with the converter's pieces (issue 11: a GGUF source object).
+    ("mlx_dgemma/loader.py", "mlx_dgemma.convert.converter"),
+    ("mlx_dgemma/loader.py", "mlx_dgemma.convert.metadata"),
+    ("mlx_dgemma/loader.py", "mlx_dgemma.convert.names"),
+    ("mlx_dgemma/loader.py", "mlx_dgemma.convert.tensors"),
+    # The CLI front end runs the converter, the verifier and the chat app.
+    ("mlx_dgemma/cli.py", "mlx_dgemma.convert.converter"),
+    ("mlx_dgemma/cli.py", "mlx_dgemma.convert.verify"),
+    ("mlx_dgemma/commands.py", "mlx_dgemma.tui.app"),
+    # The demo model and the benchmark are built from synthetic GGUFs, converted.
+    ("mlx_dgemma/demo.py", "mlx_dgemma.convert.synthetic"),
+    ("mlx_dgemma/bench.py", "mlx_dgemma.convert.synthetic"),
+    ("mlx_dgemma/bench.py", "mlx_dgemma.convert.converter"),
+    # Peers (HF reference, mlx-vlm) are given exactly a GGUF's weights, named as the converter names them.
+    ("mlx_dgemma/reference.py", "mlx_dgemma.convert.names"),
+    ("mlx_dgemma/reference.py", "mlx_dgemma.convert.converter"),
+}
+
+# Installed package -> source folder (pyproject's package-dir mapping).
+PACKAGES = {"mlx_dgemma": "mlx_dgemma", "mlx_dgemma.convert": "convert", "mlx_dgemma.tui": "tui",
+            "mlx_dgemma.tui.screens": "tui/screens", "mlx_dgemma.tui.widgets": "tui/widgets"}
+
+
+def _imports(package: str, folder: str) -> list[tuple[str, str, str, int]]:
+    """(file, imported module, imported name or "", line) for every import in ``folder``'s files,
+    relative imports resolved against ``package``; function-level (lazy) imports included."""
+    out = []
+    for path in sorted((ROOT / folder).glob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            if isinstance(node, ast.Import):
+                out += [(rel, a.name, "", node.lineno) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[:len(base) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module
+                for a in node.names:
+                    out.append((rel, module, a.name, node.lineno))
+                    # `from pkg import submodule`: the submodule is imported too.
+                    if module in PACKAGES:
+                        out.append((rel, f"{module}.{a.name}", "", node.lineno))
+    return out
+
+
+def _all_imports() -> list[tuple[str, str, str, int]]:
+    return [i for package, folder in PACKAGES.items() for i in _imports(package, folder)]
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_import_scan_sees_relative_and_lazy_imports():
+    # The scan itself: a known lazy relative import of the core and a known absolute one of tui.
+    found = {(f, m) for f, m, _, _ in _all_imports()}
+    assert ("mlx_dgemma/loader.py", "mlx_dgemma.convert.converter") in found  # lazy, relative
+    assert ("tui/screens/chat.py", "mlx_dgemma.tui.engine") in found  # `from ..engine import`
+    assert ("tui/screens/chat.py", "mlx_dgemma.events") in found
+
+
+def test_core_imports_neither_tui_nor_convert_beyond_the_known_exceptions():
+    bad = sorted(f"{f}:{line} imports {m}" for f, m, _, line in _all_imports()
+                 if f.count("/") == 1 and f.startswith("mlx_dgemma/")
+                 and (_under(m, "mlx_dgemma.tui") or _under(m, "mlx_dgemma.convert"))
+                 and (f, m) not in KNOWN_CORE_EXCEPTIONS)
+    assert not bad, "the core reaches into convert/tui (see docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_convert_and_tui_use_the_cores_public_names_only():
+    bad = []
+    for f, m, name, line in _all_imports():
+        side = "convert" if f.startswith("convert/") else "tui" if f.startswith("tui/") else None
+        if side is None or not _under(m, "mlx_dgemma"):
+            continue
+        own = f"mlx_dgemma.{side}"
+        other = "mlx_dgemma.tui" if side == "convert" else "mlx_dgemma.convert"
+        if _under(m, other):
+            bad.append(f"{f}:{line} imports {m} (convert and tui do not import each other)")
+        elif not _under(m, own):
+            private = [p for p in m.split(".")[1:] + [name] if p.startswith("_") and p != "__future__"]
+            if private:
+                bad.append(f"{f}:{line} imports private {m} {name}".rstrip())
+    assert not bad, "\n".join(bad)
+
+
+def test_convert_and_tui_reach_the_core_by_absolute_imports():
+    # `..` across the package-dir mapping hides which package a name comes from (issue 11).
+    bad = []
+    for package, folder in PACKAGES.items():
+        own = ".".join(package.split(".")[:2])  # mlx_dgemma.convert or mlx_dgemma.tui
+        if own == "mlx_dgemma":
+            continue
+        for path in sorted((ROOT / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    parts = package.split(".")
+                    if not _under(".".join(parts[:len(parts) - node.level + 1]), own):
+                        bad.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: relative import "
+                                   f"leaves {own}; write `from mlx_dgemma.<module> import ...`")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_names_from_mlx_lm():
+    # mlx-lm's private helpers change without notice: vendor them (model.py does) instead.
+    bad = [f"{f}:{line} imports {m}.{name}" for f, m, name, line in _all_imports()
+           if _under(m, "mlx_lm") and (name.startswith("_") or any(p.startswith("_") for p in m.split(".")))]
+    assert not bad, "\n".join(bad)
