@@ -970,7 +970,16 @@ def main(args: argparse.Namespace) -> int:
         raise ParameterError("--model and --demo: give one of them")
     sock = _listen(args.host, args.port)  # before loading: a taken port fails fast
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    engine = Engine(args.model, args.demo, args.dtype, args.precision, args.queue_size, args.model_id).start()
+    engine = Engine(args.model, args.demo, args.dtype, args.precision, args.queue_size, args.model_id)
+    try:
+        engine.start()
+    except DGemmaError as e:
+        if getattr(args, "debug", False):
+            raise
+        # exit here, not through the interpreter's shutdown: MLX state created by the worker
+        # thread can abort it ("terminate called without an active exception"), see below
+        print(f"mlx-dgemma serve: error: {e}", file=sys.stderr, flush=True)
+        os._exit(e.exit_code)
     app = RequestLog(create_app(engine, max_body_bytes=int(args.max_body_mb * (1 << 20))))
     # keep-alive 30 s: clients that reuse a connection between turns rarely find it closed
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
