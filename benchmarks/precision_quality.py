@@ -48,11 +48,13 @@ def main() -> int:
             row["seconds"] = time.perf_counter() - t0
             rows.append(row)
             print(f"[quality] {name} {row['fast']}: done in {row['seconds']:.0f} s", file=sys.stderr)
-    print(f"{'model':<8} {'fast':<18} {'max rel err':>12} {'(SC step)':>10} {'top-1':>7} {'(SC)':>7} {'same blocks':>12}")
+    print(f"{'model':<8} {'fast':<18} {'max rel err':>12} {'(SC step)':>10} {'top-1':>7} {'(SC)':>7} {'same blocks':>12} "
+          f"{'same tokens':>11}")
     for r in rows:
         print(f"{r['model']:<8} {r['fast']:<18} {r['step_max_rel_logit_error']:>12.2e} "
               f"{r['sc_step_max_rel_logit_error']:>10.2e} {r['step_top1_agreement']:>7.1%} "
-              f"{r['sc_step_top1_agreement']:>7.1%} {r['blocks_identical']:>5}/{r['blocks_compared']:<6}")
+              f"{r['sc_step_top1_agreement']:>7.1%} {r['blocks_identical']:>5}/{r['blocks_compared']:<6} "
+              f"{r['token_agreement']:>11.1%}")
     Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
     return 0

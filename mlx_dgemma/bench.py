@@ -405,12 +405,14 @@ def logit_agreement(exact, fast, prompt_len: int, seed: int = 0) -> dict[str, fl
 
 
 def block_agreement(exact, fast, tokenizer, prompts: int = 3, gen_steps: int = 12) -> dict[str, Any]:
-    """Whole generations, same seeds: share of committed blocks identical in both."""
+    """Whole generations, same seeds: share of committed blocks identical in both, and of
+    token positions equal within the compared blocks (up to the first block that differs:
+    after it the two answers are conditioned on different text)."""
     from .generation import BlockEvent, stream_generate
 
     texts = ["Why is the sky blue?", "Write a short poem about rivers.", "List three prime numbers.",
              "What is diffusion?", "Tell me about the moon."][:prompts]
-    same = total = 0
+    same = total = same_tok = total_tok = 0
     for i, text in enumerate(texts):
         blocks = []
         for m in (exact, fast):
@@ -420,10 +422,13 @@ def block_agreement(exact, fast, tokenizer, prompts: int = 3, gen_steps: int = 1
         for be, bf in zip(*blocks):
             total += 1
             same += be == bf
-            if be != bf:  # later blocks are conditioned on different text
+            total_tok += len(be)
+            same_tok += sum(a == b for a, b in zip(be, bf))
+            if be != bf:
                 break
     return {"blocks_compared": total, "blocks_identical": same,
-            "block_agreement": same / total if total else float("nan")}
+            "block_agreement": same / total if total else float("nan"),
+            "token_agreement": same_tok / total_tok if total_tok else float("nan")}
 
 
 def moe_alternatives(model_dir: Path, steps: int) -> dict[str, float]:
