@@ -131,14 +131,20 @@ def test_tensor_table(work, capsys, tiny_gguf, edit, expect):
     convert_fails(work, src, capsys, str(src), expect)
 
 
-def test_nan_weight_is_named(work, capsys):
+def poisoned_gguf(path, tensor: str, value: float):
+    """A float32 tiny GGUF whose ``tensor`` starts with ``value`` (NaN or Inf)."""
     from mlx_dgemma.validate import scan_gguf
 
-    src = write_tiny_gguf(work / "m.gguf", TinySpec(), types="f32")
+    src = write_tiny_gguf(path, TinySpec(), types="f32")
     data = bytearray(src.read_bytes())
-    start = next(t.offset for t in scan_gguf(src).tensors if t.name == "blk.1.attn_norm.weight")
-    data[start:start + 4] = np.float32("nan").tobytes()
+    start = next(t.offset for t in scan_gguf(src).tensors if t.name == tensor)
+    data[start:start + 4] = np.float32(value).tobytes()
     src.write_bytes(bytes(data))
+    return src
+
+
+def test_nan_weight_is_named(work, capsys):
+    src = poisoned_gguf(work / "m.gguf", "blk.1.attn_norm.weight", float("nan"))
     convert_fails(work, src, capsys, "'blk.1.attn_norm.weight'", "NaN or Inf")
 
 
@@ -262,12 +268,6 @@ def test_tampered_directory(work, capsys, tiny_model_dir, tiny_gguf, what):
 
 
 def test_nan_weight_is_named_when_loading_a_gguf(work, capsys):
-    from mlx_dgemma.validate import scan_gguf
-
-    src = write_tiny_gguf(work / "m.gguf", TinySpec(), types="f32")
-    data = bytearray(src.read_bytes())
-    start = next(t.offset for t in scan_gguf(src).tensors if t.name == "output_norm.weight")
-    data[start:start + 4] = np.float32("inf").tobytes()
-    src.write_bytes(bytes(data))
+    src = poisoned_gguf(work / "m.gguf", "output_norm.weight", float("inf"))
     code, line = promise(["generate", "--model", str(src), "--prompt", "hi"], capsys, work, {"m.gguf"})
     assert code == 2 and str(src) in line and "'output_norm.weight'" in line and "NaN or Inf" in line
