@@ -56,7 +56,7 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
     mask and entropies ([C] each) reach the host, never the [C, V] logits.
     """
     C, V = model.args.canvas_length, model.args.vocab_size
-    step_fn = step_fn or StepFunction(model, params, dtype)
+    step_fn = step_fn or StepFunction.shared(model, params, dtype)
     key, k0 = mx.random.split(key)
     canvas = initial_canvas if initial_canvas is not None else \
         mx.random.randint(0, V, (1, C), key=k0).astype(mx.int32)
@@ -258,7 +258,7 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
     steps = 0  # every decoder pass, a cancelled block's included
     reason = "length"
     t_gen = time.perf_counter()
-    step_fn = StepFunction(model, p, dtype)  # traced once, reused by every block
+    step_fn = StepFunction.shared(model, p, dtype)  # traced once per model, reused by every block and answer
     for b in range(n_blocks):
         key, sub = mx.random.split(key)
         result: BlockResult | None = None

@@ -130,6 +130,7 @@ def apply_precision(model: nn.Module, precision: Precision) -> None:
     (quantized weights' packed integers are untouched).
     """
     object.__setattr__(model, "precision", precision)
+    model.__dict__.pop("_shared_steps", None)  # steps traced for the previous weights (StepFunction.shared)
     if precision.name == "exact":
         return
     dt = precision.dtype

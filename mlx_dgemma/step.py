@@ -18,6 +18,11 @@ from .sampler import SamplerParams, initial_history, sample_step, stop_update
 
 OUTPUTS = ("canvas", "argmax", "accepted", "entropy", "processed", "stop", "history", "finite")
 
+# The sampler fields the traced graph bakes in as constants; the others (steps, temperatures,
+# seed, token budget) are inputs or loop bounds, so two requests differing only in them can
+# share one trace.
+TRACED_FIELDS = ("entropy_bound", "stability_threshold", "confidence_threshold", "sc_top_k")
+
 
 class StepFunction:
     """``step(canvas, sc_logits | None, temperature, key, history, cache) -> dict`` of OUTPUTS."""
@@ -30,6 +35,27 @@ class StepFunction:
         self.compiled = compile
         self._fns: dict[bool, Callable] = {}
         self._cache: KVCache | None = None
+
+    @classmethod
+    def shared(cls, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype | None = None) -> "StepFunction":
+        """The compiled step for ``model`` and these traced sampler fields, built once per model.
+
+        Each new StepFunction traces its graph again (a fraction of a second on the demo, more
+        on a deep model), so every answer of a chat, a server or the TUI reuses one. Kept on the
+        model itself so it goes away with it. Generation runs one step at a time per model (the
+        TUI's worker, the server's single generation lock); a step function is not re-entrant.
+        """
+        params.check_model(model.args.vocab_size)
+        dtype = dtype or getattr(model, "activation_dtype", mx.float32)
+        key = (tuple(getattr(params, f) for f in TRACED_FIELDS), str(dtype))
+        table = model.__dict__.get("_shared_steps")
+        if table is None:
+            table = {}
+            object.__setattr__(model, "_shared_steps", table)  # a plain attribute, not a parameter
+        fn = table.get(key)
+        if fn is None:
+            fn = table[key] = cls(model, params, dtype)
+        return fn
 
     def _fn(self, with_sc: bool) -> Callable:
         if with_sc not in self._fns:
@@ -63,6 +89,9 @@ class StepFunction:
         real = isinstance(cache, KVCache)
         state = cache.state() if real else []
         offset = mx.array(cache.offset if real else 0, dtype=mx.int32)
-        out = self._fn(sc is not None)(canvas, sc if sc is not None else mx.zeros((1,)),
-                                       mx.array(temperature, dtype=mx.float32), key, history, offset, *state)
+        try:
+            out = self._fn(sc is not None)(canvas, sc if sc is not None else mx.zeros((1,)),
+                                           mx.array(temperature, dtype=mx.float32), key, history, offset, *state)
+        finally:
+            self._cache = None  # only read while tracing; a shared step must not keep a finished answer's cache alive
         return dict(zip(OUTPUTS, out))

@@ -231,3 +231,29 @@ def test_generate_uses_the_models_generation_config_by_default(tiny_model_dir):
     explicit = [e for e in stream_generate(model, tok, "Hello", generation_config={"max_denoising_steps": 3},
                                            max_new_tokens=32, seed=0) if isinstance(e, StepEvent)]
     assert explicit[0].max_steps == 3
+
+
+def test_answers_share_one_traced_step(tiny_model_dir, monkeypatch):
+    """A second answer (chat turn, server request) reuses the first one's compiled step: the
+    decoder is traced once per self-conditioning variant, not once per answer; a different
+    traced sampler field or a new precision traces again; no finished answer's cache is kept."""
+    from mlx_dgemma.precision import apply_precision, resolve_precision
+    from mlx_dgemma.step import StepFunction
+
+    model, tok = load(tiny_model_dir, precision="exact")
+    traces = []
+    real = type(model).denoise
+    monkeypatch.setattr(type(model), "denoise", lambda self, *a, **k: (traces.append(1), real(self, *a, **k))[1])
+    run = dict(seed=0, max_denoising_steps=3, max_new_tokens=32)
+    list(stream_generate(model, tok, "Hello", **run))
+    first = len(traces)
+    assert first == 2  # compiled: the body runs only while tracing (with and without self-conditioning)
+    list(stream_generate(model, tok, "Another question", **{**run, "seed": 5}))
+    assert len(traces) == first
+    shared = StepFunction.shared(model, SamplerParams.from_config(model.generation_config))
+    assert shared._cache is None
+    list(stream_generate(model, tok, "Hello", entropy_bound=0.5, **run))
+    assert len(traces) == first + 2
+    apply_precision(model, resolve_precision("fast", None))
+    list(stream_generate(model, tok, "Hello", **run))
+    assert len(traces) == first + 4
