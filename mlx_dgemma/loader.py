@@ -100,7 +100,7 @@ def check_model_choice(model: str | None, demo: bool) -> None:
 
     if demo and model:
         raise ParameterError(f"--demo and --model {model}: give one of them (--demo runs the built-in "
-                             "random-weight model; --model runs yours)")
+                             "demo model; --model runs yours)")
 
 
 def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: str | None = None,

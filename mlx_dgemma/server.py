@@ -973,8 +973,9 @@ def main(args: argparse.Namespace) -> int:
         raise ParameterError(f"--queue-size {args.queue_size}: must be at least 1")
     if not args.max_body_mb > 0:
         raise ParameterError(f"--max-body-mb {args.max_body_mb}: must be > 0")
-    if args.model and args.demo:
-        raise ParameterError("--model and --demo: give one of them")
+    from mlx_dgemma.loader import check_model_choice
+
+    check_model_choice(args.model, args.demo)
     sock = _listen(args.host, args.port)  # before loading: a taken port fails fast
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     engine = Engine(args.model, args.demo, args.dtype, args.precision, args.queue_size, args.model_id)

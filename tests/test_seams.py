@@ -97,3 +97,12 @@ def test_generation_and_the_chat_app_read_the_same_probe(monkeypatch, tiny_model
     events = list(stream_generate(model, tok, "Hi", max_new_tokens=8, max_denoising_steps=2, seed=0))
     done = events[-1]
     assert isinstance(done, DoneEvent) and done.peak_memory_bytes == 5 << 30
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["chat"], ["serve", "--port", "0"]])
+def test_every_front_end_refuses_two_models_with_the_same_line(command, no_loading, capsys):
+    from mlx_dgemma.cli import main
+
+    assert main([command[0], "--demo", "--model", "/nope", *command[1:]]) == 2
+    assert capsys.readouterr().err == (f"mlx-dgemma {command[0]}: error: --demo and --model /nope: give one of "
+                                       "them (--demo runs the built-in demo model; --model runs yours)\n")

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from textual.message import Message
+
 from mlx_dgemma.errors import DGemmaError
 from mlx_dgemma.events import Event
 
@@ -113,7 +115,7 @@ def describe_error(e: Exception) -> str:
 class Engine:
     """The job loop. ``run`` is the body of the app's single engine thread."""
 
-    def __init__(self, backend: Backend, post: Callable[[Any], None]):
+    def __init__(self, backend: Backend, post: Callable[[Message], None]):
         self.backend = backend
         self._post = post
         self._jobs: queue.Queue[Job] = queue.Queue()

@@ -4,9 +4,11 @@ The chat screen handles each of them, every status included (tests/test_tui.py c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 from textual.message import Message
+
+from mlx_dgemma.events import Event
 
 State = Literal["loading", "ready", "busy", "failed"]
 STATES: tuple[str, ...] = get_args(State)
@@ -31,7 +33,7 @@ class EngineStatus(Message):
 class EngineEvent(Message):
     """A generation event (PrefillEvent, StepEvent, BlockEvent or DoneEvent) for the current answer."""
 
-    event: Any
+    event: Event
     answer_id: int
 
 
