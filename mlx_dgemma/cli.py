@@ -122,9 +122,6 @@ def flag_errors(overrides: dict[str, Any]) -> Iterator[None]:
                              param=e.param, rule=e.rule) from e
 
 
-SAMPLER_FLAGS = FLAGS  # the name the TUI and tests use
-
-
 def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | None = None) -> None:
     """Validate the sampler flags against the model's defaults; errors name the flag typed."""
     from .errors import ParameterError
@@ -133,7 +130,7 @@ def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | Non
     try:
         SamplerParams.from_config(generation_config, **overrides)
     except ParameterError as e:
-        if e.name not in SAMPLER_FLAGS:
+        if e.name not in FLAGS:
             raise
         if e.name == "t_max" and "t_max" not in overrides:  # only --t-min was given: name it
             t_max = SamplerParams.from_config(generation_config).t_max
@@ -142,7 +139,7 @@ def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | Non
         t_min = overrides.get("t_min", (generation_config or {}).get("t_min", SamplerParams.t_min))
         rule = {"sc_top_k": "an integer >= 1 (leave --sc-top-k out for exact self-conditioning)",
                 "t_max": f"above the final temperature (--t-min, {t_min})"}.get(e.name, e.rule)
-        raise ParameterError(f"{SAMPLER_FLAGS[e.name]} {overrides.get(e.name)}: must be {rule}") from None
+        raise ParameterError(f"{FLAGS[e.name]} {overrides.get(e.name)}: must be {rule}") from None
 
 
 def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precision: str = "auto"):
