@@ -22,7 +22,8 @@ from .chat import ParsedAnswer, parse_answer, render_chat
 from .errors import NonFiniteError, ParameterError
 # The events live in mlx_dgemma.events (numpy only); re-exported here for older imports.
 from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent  # noqa: F401
-from .memory import check_fits, estimate
+from .memory import check_fits, estimate, peak_memory_bytes, reset_peak_memory
+from .memory import current_rss_bytes, peak_rss_bytes  # noqa: F401  (moved to memory.py; old imports work)
 from .model import DEFAULT_PREFILL_CHUNK, DiffusionGemma
 from .sampler import SamplerParams, finalize_block, temperature
 from .step import StepFunction
@@ -89,35 +90,6 @@ def precision_label(model: DiffusionGemma) -> str:
     """The model's runtime precision as shown to users ("fast (bfloat16)", "exact (float32)")."""
     p = getattr(model, "precision", None)
     return p.label if p is not None else "exact (float32)"
-
-
-def _peak_memory() -> int:
-    """MLX's peak allocation; the process's peak RSS where MLX tracks none (CPU backend)."""
-    try:
-        peak = int(mx.get_peak_memory())
-    except AttributeError:  # pragma: no cover - older MLX
-        peak = 0
-    # below 64 MB MLX is not tracking this backend's allocations (CPU): use the process's
-    return peak if peak > 64 << 20 else peak_rss_bytes()
-
-
-def current_rss_bytes() -> int:
-    """Resident memory now (Linux /proc); the peak elsewhere."""
-    try:
-        import os
-
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return peak_rss_bytes()
-
-
-def peak_rss_bytes() -> int:
-    import resource
-    import sys
-
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024
 
 
 def _model_defaults(model: DiffusionGemma, generation_config: dict | None) -> dict | None:
@@ -239,7 +211,7 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
     if isinstance(cache, KVCache):  # a real model (test doubles have no shapes to estimate)
         check_fits(estimate(model.args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
                             chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids))
-    mx.reset_peak_memory() if hasattr(mx, "reset_peak_memory") else None
+    reset_peak_memory()
     key = mx.random.key(p.seed if p.seed is not None else time.time_ns() % (2**63))
     t0 = time.perf_counter()
     chunked = chunk_size is not None and len(ids) > chunk_size  # progress only for prompts of several chunks
@@ -248,7 +220,7 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
             yield PrefillProgressEvent(done, len(ids), time.perf_counter() - t0)
         if done < len(ids) and cancel is not None and cancel():
             yield DoneEvent("", "", (), "cancelled", len(ids), time.perf_counter() - t0, 0.0, 0, (), 0.0, 0.0, 0.0,
-                            _peak_memory())
+                            peak_memory_bytes())
             return
     prefill_s = time.perf_counter() - t0
     yield PrefillEvent(len(ids), prefill_s)
@@ -292,7 +264,7 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
     yield DoneEvent(parsed.answer, parsed.thinking, tuple(out), reason, len(ids), prefill_s,
                     len(ids) / prefill_s if prefill_s > 0 else 0.0, steps, tuple(steps_per_block),
                     step_seconds / steps if steps else 0.0, valid / steps if steps else 0.0,
-                    time.perf_counter() - t_gen, _peak_memory(), precision_label(model))
+                    time.perf_counter() - t_gen, peak_memory_bytes(), precision_label(model))
 
 
 def generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | list[dict[str, str]] | list[int],

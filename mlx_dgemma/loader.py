@@ -87,3 +87,42 @@ def load_gguf(path: Path, precision: Precision | str = "exact", compact: bool = 
 
         side["chat_template"] = str(field_value(reader, "tokenizer.chat_template"))
     return model, config, side
+
+
+# --------------------------------------------------------------------------------------------
+# The one loader of the front ends (CLI, chat app, server): --model or --demo, --precision and
+# --dtype, with the same checks and errors everywhere. Imports are lazy (nothing above is used).
+
+
+def check_model_choice(model: str | None, demo: bool) -> None:
+    """``--demo`` and ``--model`` name two different models: refuse rather than silently pick one."""
+    from mlx_dgemma.errors import ParameterError
+
+    if demo and model:
+        raise ParameterError(f"--demo and --model {model}: give one of them (--demo runs the built-in "
+                             "demo model; --model runs yours)")
+
+
+def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: str | None = None,
+               progress: Callable[[int, int, str], None] | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) for a front end: the built-in demo model if ``demo``, else ``model``
+    (a converted directory or a .gguf, ``~`` expanded), in runtime ``precision`` (``dtype``:
+    fast's activation dtype). ``progress(i, n, tensor)`` follows a .gguf's in-memory conversion.
+
+    A contradictory precision, both or neither model are errors before any loading.
+    """
+    from mlx_dgemma.errors import ParameterError
+    from mlx_dgemma.precision import resolve_precision
+
+    prec = resolve_precision(precision, dtype)
+    check_model_choice(model, demo)
+    if demo:
+        from mlx_dgemma.demo import load_demo
+
+        return load_demo(precision=prec)
+    if not model:
+        raise ParameterError("--model: not given; pass a converted directory or a .gguf file "
+                             "(or --demo for the built-in demo model)")
+    from mlx_dgemma.api import load
+
+    return load(model, precision=prec, progress=progress)

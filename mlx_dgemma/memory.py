@@ -159,3 +159,54 @@ def check_fits(est: MemoryEstimate, prompt_tokens: int, available: int | None = 
             f"prompt: {prompt_tokens} tokens need about {gb(est.needed_bytes)} more memory (KV cache "
             f"{gb(est.kv_bytes)}, working {gb(est.working_bytes)}) but {gb(available)} is available; "
             "shorten the prompt, lower max_new_tokens, or free memory")
+
+
+# --------------------------------------------------------------------------------------------
+# what this process holds now, and its peak (generation's DoneEvent, the TUI, the server)
+
+# Below this, MLX is not tracking the backend's allocations (the CPU backend allocates through
+# the system): the process's resident memory is the better number.
+MLX_TRACKED_MIN_BYTES = 64 << 20
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident memory (getrusage)."""
+    import resource
+    import sys
+
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024  # bytes on macOS, KiB on Linux
+
+
+def current_rss_bytes() -> int:
+    """Resident memory now (Linux /proc); the peak elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
+
+
+def _mlx(name: str) -> int:
+    fn = getattr(mx, name, None)
+    return int(fn()) if fn is not None else 0  # older MLX: nothing tracked
+
+
+def memory_bytes() -> int:
+    """Memory in use now: MLX's active allocation, or the process's resident memory where
+    MLX tracks none (CPU backend)."""
+    active = _mlx("get_active_memory")
+    return active if active > MLX_TRACKED_MIN_BYTES else current_rss_bytes()
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory since :func:`reset_peak_memory`: MLX's peak allocation, or the process's peak
+    resident memory where MLX tracks none (CPU backend; that peak is never reset)."""
+    peak = _mlx("get_peak_memory")
+    return peak if peak > MLX_TRACKED_MIN_BYTES else peak_rss_bytes()
+
+
+def reset_peak_memory() -> None:
+    """Start a new MLX peak (an answer's DoneEvent reports its own)."""
+    if hasattr(mx, "reset_peak_memory"):
+        mx.reset_peak_memory()

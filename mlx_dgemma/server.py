@@ -338,11 +338,13 @@ class Result:
 
 
 def load_model(model: str | None, demo: bool, dtype: str | None, precision: str) -> tuple[Any, Any]:
-    """The one place the server loads a model (CLI semantics: ``--model`` or ``--demo``,
-    ``--precision`` and ``--dtype``)."""
-    from mlx_dgemma.commands import load_for_cli
+    """The one place the server loads a model: the core's ``open_model`` (``--model`` or
+    ``--demo``, ``--precision`` and ``--dtype``), with a loading bar on stderr."""
+    from mlx_dgemma.loader import open_model
+    from mlx_dgemma.progress import ProgressBar
 
-    return load_for_cli(model, demo, dtype, precision)
+    bar = ProgressBar("loading", unit="tensors", scale=1)
+    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name))
 
 
 class Engine:
@@ -357,6 +359,7 @@ class Engine:
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self.dtype_name, self.precision_name = dtype, precision
         self.precision = ""  # the label of what was loaded, e.g. "fast (bfloat16)"
+        self.memory_bytes = 0  # memory in use after the last load or job (read by the worker: MLX stays there)
         self.model: Any = None
         self.tokenizer: Any = None
         self.model_id = model_id or (DEMO_MODEL_ID if demo else _model_id(model_path))
@@ -399,12 +402,14 @@ class Engine:
     def _main(self, model_path: str | None, demo: bool) -> None:
         try:
             from mlx_dgemma.generation import precision_label
+            from mlx_dgemma.memory import memory_bytes
 
             self.model, self.tokenizer = load_model(model_path, demo, self.dtype_name, self.precision_name)
             self.precision = precision_label(self.model)
             self.generation_config = getattr(self.model, "generation_config", None) or {}
             self.canvas = int(self.model.args.canvas_length)
             self.context = int(self.model.args.max_position_embeddings)
+            self.memory_bytes = memory_bytes()
         except BaseException as e:  # noqa: BLE001 - handed to the thread that called start()
             self._load_error = e
             self._ready.set()
@@ -433,6 +438,7 @@ class Engine:
                 job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
             finally:
                 job.stats["engine_s"] = round(time.perf_counter() - t0, 4)
+                self.memory_bytes = memory_bytes()
                 job.release()
                 self.busy, self._current = False, None
                 self.served += 1
@@ -772,7 +778,8 @@ def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20) -> Any:
         return JSONResponse({"status": "ok" if ok else "down", "model": engine.model_id,
                              "precision": engine.precision, "busy": engine.busy,
                              "queued": engine.queue.qsize(), "served": engine.served,
-                             "reused_prefixes": engine.reused_prefixes}, status_code=200 if ok else 503)
+                             "reused_prefixes": engine.reused_prefixes, "memory_bytes": engine.memory_bytes},
+                            status_code=200 if ok else 503)
 
     def model_card() -> dict[str, Any]:
         return {"id": engine.model_id, "object": "model", "created": engine.created, "owned_by": "mlx-dgemma"}
@@ -934,7 +941,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the small built-in demo model (see `mlx-dgemma chat --demo`)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
-    from mlx_dgemma.commands import add_precision_args
+    from mlx_dgemma.cli import add_precision_args
 
     add_precision_args(p)
     p.add_argument("--queue-size", type=int, default=16,
@@ -966,8 +973,9 @@ def main(args: argparse.Namespace) -> int:
         raise ParameterError(f"--queue-size {args.queue_size}: must be at least 1")
     if not args.max_body_mb > 0:
         raise ParameterError(f"--max-body-mb {args.max_body_mb}: must be > 0")
-    if args.model and args.demo:
-        raise ParameterError("--model and --demo: give one of them")
+    from mlx_dgemma.loader import check_model_choice
+
+    check_model_choice(args.model, args.demo)
     sock = _listen(args.host, args.port)  # before loading: a taken port fails fast
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     engine = Engine(args.model, args.demo, args.dtype, args.precision, args.queue_size, args.model_id)

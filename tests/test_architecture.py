@@ -43,7 +43,7 @@ KNOWN_CORE_EXCEPTIONS = {
     # The CLI front end runs the converter, the verifier and the chat app.
     ("mlx_dgemma/cli.py", "mlx_dgemma.convert.converter"),
     ("mlx_dgemma/cli.py", "mlx_dgemma.convert.verify"),
-    ("mlx_dgemma/commands.py", "mlx_dgemma.tui.app"),
+    ("mlx_dgemma/cli.py", "mlx_dgemma.tui.app"),
     # The demo model and the benchmark are built from synthetic GGUFs, converted.
     ("mlx_dgemma/demo.py", "mlx_dgemma.convert.synthetic"),
     ("mlx_dgemma/bench.py", "mlx_dgemma.convert.synthetic"),

@@ -136,6 +136,7 @@ def test_models_and_health(server):
     assert ids == [MODEL]
     status, _, body = server.raw("GET", "/health")
     assert status == 200 and body["status"] == "ok" and body["model"] == MODEL
+    assert body["memory_bytes"] > 1 << 20  # the process holds a model: memory.memory_bytes(), read on the worker
 
 
 def test_chat_non_stream(server):

@@ -81,3 +81,17 @@ def test_failed_load_at_80x24(snap_compare):
         await pilot.pause()
 
     assert snap_compare(DGemmaApp(FailingLoad()), terminal_size=(80, 24), run_before=run_before)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30)])
+def test_replay_view_at_80_and_100_columns(snap_compare, size):
+    # the status line leaves out whole parts, least important first: the precision is never cut
+    backend = ScriptedBackend(steps=4, blocks=2)
+
+    async def run_before(pilot):
+        await ask(pilot, backend, "Why is the sky blue?")
+        await pilot.press("ctrl+b")
+        await settle(pilot)
+        await pilot.pause()
+
+    assert snap_compare(DGemmaApp(backend), terminal_size=size, run_before=run_before)

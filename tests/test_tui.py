@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from mlx_dgemma.tui.app import DGemmaApp
-from mlx_dgemma.tui.engine import ModelBackend
+from mlx_dgemma.tui.engine import Backend, Engine, Job, ModelBackend
+from mlx_dgemma.tui.messages import STATES, EngineStatus
 from mlx_dgemma.tui.screens.chat import ChatScreen
 from mlx_dgemma.tui.screens.settings import SettingsScreen
 from mlx_dgemma.tui.screens.welcome import WelcomeScreen
@@ -274,7 +275,7 @@ async def test_real_tiny_model_in_the_app(tiny_model_dir):
 
 def test_core_never_imports_textual():
     code = ("import sys, mlx_dgemma, mlx_dgemma.api, mlx_dgemma.model, mlx_dgemma.generation, mlx_dgemma.trace, "
-            "mlx_dgemma.cli, mlx_dgemma.commands, mlx_dgemma.convert.converter, mlx_dgemma.convert.verify; "
+            "mlx_dgemma.cli, mlx_dgemma.server, mlx_dgemma.convert.converter, mlx_dgemma.convert.verify; "
             "from mlx_dgemma import load, generate, stream_generate; "
             "assert not [m for m in sys.modules if m.split('.')[0] == 'textual'], 'textual imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -352,3 +353,176 @@ async def test_chat_log_follows_the_answer_after_a_resize():
         log = screen(app).query_one("#chat-log")
         assert log.max_scroll_y > 0  # the answer is taller than the log
         assert log.scroll_y == log.max_scroll_y  # and the log shows its end
+
+
+# --------------------------------------------------------------------------- the backend seam
+
+
+def protocol_problems(backend) -> list[str]:
+    """How ``backend`` differs from the Backend protocol: missing members, attributes of the
+    wrong type, methods whose parameters differ (names and kinds, as the engine calls them)."""
+    import inspect
+    import typing
+
+    problems = [] if isinstance(backend, Backend) else ["not a Backend (runtime check)"]
+    for name, kind in typing.get_type_hints(Backend).items():
+        value = getattr(backend, name, problems)
+        if value is problems:
+            problems.append(f"{name}: missing")
+        elif not isinstance(value, typing.get_origin(kind) or kind):
+            problems.append(f"{name}: {type(value).__name__}, expected {kind}")
+    for name, member in vars(Backend).items():
+        if name.startswith("_") or not callable(member):
+            continue
+        if not callable(getattr(backend, name, None)):
+            problems.append(f"{name}(): missing")
+            continue
+        want = [(p.name, p.kind) for p in inspect.signature(member).parameters.values()][1:]
+        have = [(p.name, p.kind) for p in inspect.signature(getattr(backend, name)).parameters.values()]
+        if have != want:
+            problems.append(f"{name}{inspect.signature(getattr(backend, name))}: expected {inspect.signature(member)}")
+    return problems
+
+
+def test_the_model_backend_and_the_scripted_one_satisfy_the_backend_protocol(tiny_model_dir):
+    assert protocol_problems(ScriptedBackend()) == []
+    assert protocol_problems(ModelBackend(demo=True)) == []
+    loaded = ModelBackend(model=str(tiny_model_dir))
+    loaded.load(lambda line: None)
+    assert protocol_problems(loaded) == []
+
+    class Drifted(ScriptedBackend):  # the check itself: a backend that drifted from the protocol
+        is_demo = "no"
+
+        def piece(self, token: int) -> str:
+            return ""
+
+    problems = protocol_problems(Drifted())
+    assert [p.split(":")[0].split("(")[0] for p in problems] == ["is_demo", "piece"], problems
+
+
+# --------------------------------------------------------------------------- every status shows
+
+
+def status_text(app) -> str:
+    return str(screen(app).query_one("#status").render())
+
+
+def placeholder(app) -> str:
+    return screen(app).query_one("#prompt").placeholder
+
+
+# What each engine state shows; a state the chat screen dropped would time out here.
+STATUS_SHOWN = {
+    "loading": lambda app: status_text(app) == "loading: DETAIL" and placeholder(app).startswith("Loading the model"),
+    "ready": lambda app: (status_text(app) == "ready: DETAIL" and not screen(app).busy
+                          and placeholder(app) == "Message (Enter to send)"),
+    "busy": lambda app: (screen(app).busy and status_text(app).startswith("answering")
+                         and placeholder(app).startswith("Answering")),
+    "failed": lambda app: (isinstance(app.screen, WelcomeScreen) and app.load_error == "DETAIL"
+                           and "DETAIL" in str(app.screen.query_one("#welcome-error").render())),
+}
+
+
+def test_every_engine_state_has_a_visible_check():
+    assert sorted(STATUS_SHOWN) == sorted(STATES)
+    with pytest.raises(ValueError, match="'done'"):
+        EngineStatus("done")  # a state no screen handles cannot be posted
+
+
+def test_the_engine_posts_every_state_and_only_those():
+    posted: list[str] = []
+    record = lambda m: posted.append(m.state) if isinstance(m, EngineStatus) else None  # noqa: E731
+    engine = Engine(ScriptedBackend(steps=1, blocks=1), record)
+    for job in (Job("load"), Job("generate", "q"), Job("stop")):
+        engine.submit(job)
+    engine.run()
+    engine = Engine(FailingLoad(), record)
+    for job in (Job("load"), Job("stop")):
+        engine.submit(job)
+    engine.run()
+    assert posted == ["loading", "loading", "ready", "busy", "ready", "loading", "failed"]
+    assert set(posted) == set(STATES)
+
+
+@pytest.mark.parametrize("state", STATES)
+async def test_each_engine_state_is_shown(state):
+    backend = ScriptedBackend()
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine.loaded and status_text(app).startswith("ready"))
+        s = screen(app)
+        s.busy = state == "ready"  # the opposite of what the state should leave
+        s.query_one("#status").update("before")
+        s.query_one("#prompt").placeholder = "before"
+        s.post_message(EngineStatus(state, "DETAIL"))
+        await wait_for(pilot, lambda: STATUS_SHOWN[state](app), timeout=5)
+
+
+# --------------------------------------------------------------------------- errors by class
+
+
+class BudgetTooSmall(Exception):
+    """Not one of ours: shown with its type name."""
+
+
+@pytest.mark.parametrize("error, shown", [
+    ("MemoryBudgetError", "error: prompt: 9 tokens need about 2 GB more memory"),  # a DGemmaError subclass
+    ("BudgetTooSmall", "error: BudgetTooSmall: prompt: 9 tokens need about 2 GB more memory"),
+])
+async def test_errors_are_told_apart_by_class_not_by_message(error, shown):
+    from mlx_dgemma.errors import MemoryBudgetError
+
+    cls = {"MemoryBudgetError": MemoryBudgetError, "BudgetTooSmall": BudgetTooSmall}[error]
+
+    class Failing(ScriptedBackend):
+        def stream(self, prompt, cancel, **params):
+            raise cls("prompt: 9 tokens need about 2 GB more memory")
+            yield  # pragma: no cover
+
+    app = DGemmaApp(Failing())
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine.loaded)
+        await send(pilot, "q")
+        await wait_for(pilot, lambda: bool(screen(app).query(".error")))
+        assert str(screen(app).query_one(".error").render()) == shown
+        assert status_text(app) == shown  # the status line says it too, brackets and all
+
+
+# --------------------------------------------------------------------------- the status line fits
+
+
+def status_row(app) -> str:
+    """The status line as the terminal shows it."""
+    row = screen(app).query_one("#status").region.y
+    return app.screen._compositor.render_strips()[row].text
+
+
+@pytest.mark.parametrize("width", [80, 100])
+async def test_the_status_line_fits_80_and_100_columns(width):
+    backend = ScriptedBackend(steps=4, blocks=2)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=(width, 24)) as pilot:
+        await ask(pilot, backend)
+        await pilot.pause(0.1)
+        done = status_row(app)
+        for part in ("eos: 2 block(s)", "8 steps", "0.25 s/step", "peak 0.20 GB", "fast (bfloat16)"):
+            assert part in done, done
+        await pilot.press("ctrl+b")
+        await pilot.pause(0.1)
+        step = status_row(app)
+        for part in ("block 2/2", "step 3/48", "0.25 s/step", "mem 0.12 GB", "fast (bfloat16)", "replay ^b/^f"):
+            assert part in step, step
+        assert step.rstrip().endswith("replay ^b/^f")  # nothing cut at the edge
+    if width == 100:
+        assert "ctrl+b/f replay" in done and "T=0." in step  # room for more at 100 columns
+
+
+def test_status_parts_are_left_out_whole_least_important_first():
+    from mlx_dgemma.tui.widgets.status import fit
+
+    parts = [("a", 0), ("bb", 2), ("cc", 1), ("dd", 2), ("e", 0)]
+    assert fit(parts, 20) == "a  bb  cc  dd  e"
+    assert fit(parts, 12) == "a  bb  cc  e"  # the rightmost of the highest rank goes first
+    assert fit(parts, 9) == "a  cc  e"
+    assert fit(parts, 1) == "a  e"  # rank 0 stays, even when too wide

@@ -1,12 +1,14 @@
-"""A scripted backend for the TUI: deterministic events, no MLX."""
+"""A scripted backend for the TUI (a ``mlx_dgemma.tui.engine.Backend``): deterministic events, no MLX."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
+from mlx_dgemma.events import BlockEvent, DoneEvent, Event, PrefillEvent, StepEvent
 
 WORDS = ["The", " sky", " is", " blue", " because", " air", " scatters", " short", " waves", ".",
          " Light", " from", " the", " sun", " bends", "!"]
@@ -16,6 +18,7 @@ class ScriptedBackend:
     label = "scripted test model"
     is_demo = False
     canvas_length = 16
+    precision_label = "fast (bfloat16)"
     generation_config = {"max_denoising_steps": 48, "t_min": 0.4, "t_max": 0.8, "entropy_bound": 0.1,
                          "stability_threshold": 1, "confidence_threshold": 0.005, "max_new_tokens": 32}
 
@@ -25,23 +28,23 @@ class ScriptedBackend:
         self.prompts: list[tuple[str, dict]] = []
         self.produced = 0  # steps yielded so far (engine thread)
 
-    def load(self, progress):
+    def load(self, progress: Callable[[str], None]) -> None:
         progress("scripted")
         self.loaded += 1
 
-    def reset(self):
+    def reset(self) -> None:
         self.resets += 1
 
-    def piece(self, t: int) -> str:
-        return WORDS[t % len(WORDS)]
+    def piece(self, token_id: int) -> str:
+        return WORDS[token_id % len(WORDS)]
 
-    def decode(self, ids):
+    def decode(self, ids: list[int]) -> str:
         return "".join(self.piece(t) for t in ids)
 
     def memory_bytes(self) -> int:
         return 123_000_000
 
-    def stream(self, prompt, cancel, **params):
+    def stream(self, prompt: str, cancel: Callable[[], bool], **params: Any) -> Iterator[Event]:
         self.prompts.append((prompt, params))
         C, N = self.canvas_length, self.steps
         yield PrefillEvent(20, 0.5)
@@ -65,10 +68,11 @@ class ScriptedBackend:
                                 0.4 + 0.4 * (48 - s + 1) / 48, 0.25, s == N)
                 if cancel():
                     yield DoneEvent(self.decode(out), "", tuple(out), "cancelled", 20, 0.5, 40.0, done_steps,
-                                    tuple(), 0.25, 0.0, 1.0, 1)
+                                    tuple(), 0.25, 0.0, 1.0, 1, self.precision_label)
                     return
             out += target.tolist()
             text = self.decode(out)
             yield BlockEvent(b, tuple(target.tolist()), N, b == self.blocks - 1, text, "Thinking about light.", text)
         yield DoneEvent(self.decode(out), "Thinking about light.", tuple(out), "eos", 20, 0.5, 40.0,
-                        done_steps, (N,) * self.blocks, 0.25, len(out) / done_steps, 3.0, 200_000_000)
+                        done_steps, (N,) * self.blocks, 0.25, len(out) / done_steps, 3.0, 200_000_000,
+                        self.precision_label)

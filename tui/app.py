@@ -6,13 +6,12 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 from textual.app import App
 
 from mlx_dgemma.paths import user_path
 
-from .engine import Engine, Job, ModelBackend
+from .engine import Backend, Engine, Job, ModelBackend
 
 LOAD_FAILED_EXIT = 2  # the exit status when the user quits while no model could be loaded
 
@@ -22,7 +21,7 @@ class DGemmaApp(App):
     TITLE = "mlx-dgemma"
     BINDINGS = [("ctrl+q", "quit", "Quit")]
 
-    def __init__(self, backend: Any | None = None, trace_dir: str | Path = ".", **kw):
+    def __init__(self, backend: Backend | None = None, trace_dir: str | Path = ".", **kw):
         super().__init__(**kw)
         self.backend = backend
         self.engine: Engine | None = None
@@ -58,7 +57,7 @@ class DGemmaApp(App):
             self.engine = None
         if isinstance(self.screen, ChatScreen):
             self.pop_screen()
-        self.push_screen(WelcomeScreen(error=message, model=getattr(self.backend, "label", None)))
+        self.push_screen(WelcomeScreen(error=message, model=self.backend.label if self.backend is not None else None))
 
     def _start(self) -> None:
         from .screens.chat import ChatScreen

@@ -1,18 +1,54 @@
 """One long-lived worker thread that owns the model: every MLX call (loading, prefill,
 denoising) happens on it, in order. The UI sends jobs; results come back as messages.
 
-The backend is anything with ``load(progress)``, ``stream(prompt, cancel, **params)``,
-``reset()``, ``memory_bytes()``, ``label`` and ``is_demo``; tests plug in a scripted one.
+The engine and the screens reach the model only through :class:`Backend`; the real one is
+:class:`ModelBackend`, tests plug in a scripted one (tests/tui_fakes.py) with no MLX.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+from textual.message import Message
 
 from mlx_dgemma.errors import DGemmaError
+from mlx_dgemma.events import Event
+
+from .messages import EngineError, EngineEvent, EngineStatus
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the chat app needs from a model. ``load`` and ``stream`` run on the engine thread;
+    the attributes and ``piece``/``decode``/``memory_bytes`` are read by the UI (no MLX work)."""
+
+    label: str  # what the model is, for the status line and errors: a path, or the demo's name
+    is_demo: bool  # shows the demo banner
+    canvas_length: int  # tokens per block (known once loaded)
+    precision_label: str  # the runtime precision, e.g. "fast (bfloat16)" (known once loaded)
+    generation_config: dict[str, Any]  # the model's sampler defaults (known once loaded)
+
+    def load(self, progress: Callable[[str], None]) -> None:
+        """Load the model, reporting progress as short lines; raise DGemmaError to fail."""
+
+    def stream(self, prompt: str, cancel: Callable[[], bool], **params: Any) -> Iterator[Event]:
+        """The next turn of the conversation as ``stream_generate`` events; stop at ``cancel()``."""
+
+    def reset(self) -> None:
+        """Forget the conversation (a new chat)."""
+
+    def memory_bytes(self) -> int:
+        """Memory the process holds now."""
+
+    def piece(self, token_id: int) -> str:
+        """One token's text, for the canvas."""
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids to text, for the trace export."""
 
 
 @dataclass
@@ -24,40 +60,34 @@ class Job:
 
 
 class ModelBackend:
-    """The real model behind a :class:`mlx_dgemma.ChatSession`."""
+    """The real model behind a :class:`mlx_dgemma.ChatSession` (a :class:`Backend`)."""
 
     def __init__(self, model: str | None = None, demo: bool = False, dtype: str | None = None,
                  precision: str = "auto"):
         self.model_path, self.demo, self.dtype, self.precision = model, demo, dtype, precision
         self.session = None
         self.tokenizer = None
-        self.generation_config: dict = {}
+        self.generation_config: dict[str, Any] = {}
         self.label = "demo model (tiny, trained on the KJV Bible)" if demo else str(model)
         self.is_demo = demo
         self.canvas_length = 0
+        self.precision_label = ""
 
     def load(self, progress: Callable[[str], None]) -> None:
-        from mlx_dgemma.generation import ChatSession
-        from mlx_dgemma.precision import resolve_precision
+        from mlx_dgemma.generation import ChatSession, precision_label
+        from mlx_dgemma.loader import open_model
 
-        prec = resolve_precision(self.precision, self.dtype)
         if self.demo:
-            from mlx_dgemma.demo import load_demo
-
             progress("loading the demo model")
-            model, tok = load_demo(precision=prec)
-        else:
-            from mlx_dgemma.api import load
-
-            model, tok = load(self.model_path, precision=prec,
-                              progress=lambda i, n, name: progress(f"loading {i}/{n} {name}"))
+        model, tok = open_model(self.model_path, self.demo, self.precision, self.dtype,
+                                progress=lambda i, n, name: progress(f"loading {i}/{n} {name}"))
         self.tokenizer = tok
         self.generation_config = dict(getattr(model, "generation_config", {}) or {})
         self.canvas_length = model.args.canvas_length
-        self.precision_label = prec.label
+        self.precision_label = precision_label(model)
         self.session = ChatSession(model, tok, self.generation_config)
 
-    def stream(self, prompt: str, cancel: Callable[[], bool], **params: Any) -> Iterator[Any]:
+    def stream(self, prompt: str, cancel: Callable[[], bool], **params: Any) -> Iterator[Event]:
         yield from self.session.stream(prompt, cancel=cancel, **params)
 
     def reset(self) -> None:
@@ -71,25 +101,25 @@ class ModelBackend:
         return self.tokenizer.decode(ids) if self.tokenizer else ""
 
     def memory_bytes(self) -> int:
-        import mlx.core as mx
+        from mlx_dgemma.memory import memory_bytes
 
-        from mlx_dgemma.generation import current_rss_bytes
+        return memory_bytes()
 
-        active = int(mx.get_active_memory()) if hasattr(mx, "get_active_memory") else 0
-        return active if active > 64 << 20 else current_rss_bytes()
+
+def describe_error(e: Exception) -> str:
+    """Our own errors (:class:`DGemmaError` and its subclasses) are written for the user and
+    shown as they are; anything else is a bug or a library's error: its type name says which."""
+    return str(e) if isinstance(e, DGemmaError) else f"{type(e).__name__}: {e}"
 
 
 class Engine:
-    """The job loop. ``run`` is the body of the app's single exclusive thread worker."""
+    """The job loop. ``run`` is the body of the app's single engine thread."""
 
-    def __init__(self, backend: Any, post: Callable[[Any], None]):
-        from .messages import EngineError, EngineEvent, EngineStatus
-
+    def __init__(self, backend: Backend, post: Callable[[Message], None]):
         self.backend = backend
         self._post = post
         self._jobs: queue.Queue[Job] = queue.Queue()
         self.cancel_flag = threading.Event()
-        self._status, self._event, self._error = EngineStatus, EngineEvent, EngineError
         self.loaded = False
 
     def submit(self, job: Job) -> None:
@@ -112,26 +142,24 @@ class Engine:
             try:
                 self._do(job)
             except Exception as e:  # shown in the app; the loop keeps serving
-                # our own errors are written for the user; anything else gets its type name
-                message = str(e) if isinstance(e, DGemmaError) else f"{type(e).__name__}: {e}"
                 if job.kind == "load":
-                    self._post(self._status("failed", message))  # the app offers what to do
+                    self._post(EngineStatus("failed", describe_error(e)))  # the app offers what to do
                 else:
-                    self._post(self._error(message, job.answer_id if job.kind == "generate" else None))
-                    self._post(self._status("ready"))
+                    self._post(EngineError(describe_error(e), job.answer_id if job.kind == "generate" else None))
+                    self._post(EngineStatus("ready"))
 
     def _do(self, job: Job) -> None:
         if job.kind == "load":
-            self._post(self._status("loading", self.backend.label))
-            self.backend.load(lambda detail: self._post(self._status("loading", detail)))
+            self._post(EngineStatus("loading", self.backend.label))
+            self.backend.load(lambda detail: self._post(EngineStatus("loading", detail)))
             self.loaded = True
-            self._post(self._status("ready", self.backend.label))
+            self._post(EngineStatus("ready", self.backend.label))
         elif job.kind == "reset":
             self.backend.reset()
         elif job.kind == "generate":
             if not self.loaded:
                 return  # queued while a load was failing; the app has left the chat
-            self._post(self._status("busy"))
+            self._post(EngineStatus("busy"))
             for ev in self.backend.stream(job.prompt, self.cancel_flag.is_set, **job.params):
-                self._post(self._event(ev, job.answer_id))
-            self._post(self._status("ready"))
+                self._post(EngineEvent(ev, job.answer_id))
+            self._post(EngineStatus("ready"))

@@ -16,7 +16,7 @@ from textual.widgets import Footer, Input, Static
 from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
 from mlx_dgemma.trace import Trace
 
-from ..engine import Job
+from ..engine import Backend, Job
 from ..messages import EngineError, EngineEvent, EngineStatus
 from ..widgets.canvas import CanvasView
 from ..widgets.chat_log import Answer, ChatLog
@@ -24,6 +24,8 @@ from ..widgets.entropy import EntropyChart
 from ..widgets.status import StatusLine
 
 REFRESH_HZ = 15  # the canvas redraws at most this often, however fast steps arrive
+PLACEHOLDERS = {"loading": "Loading the model…",
+                "ready": "Message (Enter to send)", "busy": "Answering… (Escape to cancel)"}
 
 
 class ChatScreen(Screen):
@@ -51,8 +53,12 @@ class ChatScreen(Screen):
         self._blocks_planned = 1
         self._last_done: DoneEvent | None = None
 
+    @property
+    def backend(self) -> Backend:
+        return self.app.backend
+
     def compose(self) -> ComposeResult:
-        backend = self.app.backend
+        backend = self.backend
         with Horizontal(id="main"):
             with Vertical(id="chat-pane"):
                 if backend.is_demo:
@@ -60,10 +66,10 @@ class ChatScreen(Screen):
                                  "DiffusionGemma's weights. The denoising is the real sampler's.",
                                  id="demo-banner")
                 yield ChatLog(id="chat-log")
-                yield Input(placeholder="Message (Enter to send)", id="prompt")
+                yield Input(placeholder=PLACEHOLDERS["loading"], id="prompt")
             with Vertical(id="diffusion-pane"):
                 yield Static("canvas", id="canvas-title")
-                yield CanvasView(piece=getattr(backend, "piece", str), id="canvas")
+                yield CanvasView(piece=backend.piece, id="canvas")
                 yield EntropyChart(id="chart")
         yield StatusLine("starting…", id="status")
         yield Footer(compact=True)  # every binding, ^q Quit included, fits 80 columns
@@ -76,17 +82,24 @@ class ChatScreen(Screen):
 
     @on(EngineStatus)
     def _on_status(self, m: EngineStatus) -> None:
-        status = self.query_one(StatusLine)
+        # every state shows: the status line says what happens, the prompt whether to type
+        status, prompt = self.query_one(StatusLine), self.query_one("#prompt", Input)
         if m.state == "loading":
             status.update(f"loading: {m.detail}")
+            prompt.placeholder = PLACEHOLDERS["loading"]
         elif m.state == "ready":
             self.busy = False
-            if m.detail:
+            prompt.placeholder = PLACEHOLDERS["ready"]
+            if m.detail:  # the model is loaded (after an answer the status line keeps its summary)
                 status.update(f"ready: {m.detail}")
         elif m.state == "busy":
             self.busy = True
+            prompt.placeholder = PLACEHOLDERS["busy"]
+            status.update("answering: prefill…  escape: cancel")  # until the first step is drawn
         elif m.state == "failed":
             self.app.load_failed(m.detail)
+        else:  # EngineStatus refuses unknown states; a new one must be handled here
+            raise AssertionError(f"unhandled engine state {m.state!r}")
 
     @on(EngineError)
     def _on_error(self, m: EngineError) -> None:
@@ -143,16 +156,12 @@ class ChatScreen(Screen):
         done = self._last_done
         self.query_one(StatusLine).show_step(
             ev, max(self._blocks_planned, len(self.trace.blocks)), spf,
-            done.tokens_per_forward if done else None, self._prefill_tps, self.app.backend.memory_bytes(),
-            "replay: ctrl+b/ctrl+f" if self.cursor is not None else "",
-            precision=getattr(self.app.backend, "precision_label", ""))
+            done.tokens_per_forward if done else None, self._prefill_tps, self.backend.memory_bytes(),
+            "replay ^b/^f" if self.cursor is not None else "",
+            precision=self.backend.precision_label)
 
     def _show_summary(self, done: DoneEvent) -> None:
-        self.query_one(StatusLine).update(
-            f"{done.finish_reason}: {len(done.steps_per_block)} block(s), {done.steps} steps, "
-            f"{done.seconds_per_step:.2f} s/step, {done.tokens_per_forward:.2f} tok/fwd, "
-            f"prefill {done.prefill_tokens_per_second:.0f} tok/s, peak {done.peak_memory_bytes / 1e9:.2f} GB"
-            f"{', ' + done.precision if done.precision else ''}  (ctrl+b/ctrl+f replay, ctrl+t export)")
+        self.query_one(StatusLine).show_summary(done)
 
     # user actions ---------------------------------------------------------------------------
 
@@ -175,8 +184,8 @@ class ChatScreen(Screen):
         log.add_user(text)
         self.answer = log.add_answer(self.answer_id)
         self.query_one(CanvasView).clear()
-        canvas = getattr(self.app.backend, "canvas_length", 0) or 256
-        max_new = int(self.params.get("max_new_tokens") or self.app.backend.generation_config.get(
+        canvas = self.backend.canvas_length or 256
+        max_new = int(self.params.get("max_new_tokens") or self.backend.generation_config.get(
             "max_new_tokens", 256))
         self._blocks_planned = -(-max_new // canvas)
         self.busy = True
@@ -212,7 +221,7 @@ class ChatScreen(Screen):
                 self.params = result
                 self.app.notify(describe(result))
 
-        defaults = dict(self.app.backend.generation_config)
+        defaults = dict(self.backend.generation_config)
         self.app.push_screen(SettingsScreen({**defaults, **self.params}, defaults), done)
 
     def action_replay(self, delta: int) -> None:
@@ -232,7 +241,7 @@ class ChatScreen(Screen):
             return
         out = Path(self.app.trace_dir) / f"mlx-dgemma-trace-{time.strftime('%Y%m%d-%H%M%S')}-{self.answer_id}.jsonl"
         try:
-            path = self.trace.export_jsonl(out, getattr(self.app.backend, "decode", None))
+            path = self.trace.export_jsonl(out, self.backend.decode)
         except OSError as e:
             self.app.notify(f"Export failed: {e}", severity="error")
             return

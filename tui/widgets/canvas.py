@@ -7,7 +7,6 @@ from typing import Callable
 
 from rich.style import Style
 from rich.text import Text
-from textual.reactive import reactive
 from textual.widget import Widget
 
 from mlx_dgemma.text import printable
@@ -26,8 +25,6 @@ def entropy_bg(h: float) -> str:
 class CanvasView(Widget):
     """Renders a StepEvent: accepted now (green), accepted earlier (cyan), draft (dim)."""
 
-    version = reactive(0, layout=False)
-
     def __init__(self, piece: Callable[[int], str] | None = None, **kw):
         super().__init__(**kw)
         self.piece = piece or str
@@ -36,11 +33,11 @@ class CanvasView(Widget):
 
     def show(self, event, earlier) -> None:
         self.event, self.earlier = event, earlier
-        self.version += 1
+        self.refresh()
 
     def clear(self) -> None:
         self.event, self.earlier = None, None
-        self.version += 1
+        self.refresh()
 
     def render(self) -> Text:
         ev = self.event

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 from rich.text import Text
-from textual.reactive import reactive
 from textual.widget import Widget
 
 BARS = "▁▂▃▄▅▆▇█"
@@ -19,8 +18,6 @@ def spark(values: list[float], top: float) -> str:
 
 
 class EntropyChart(Widget):
-    version = reactive(0, layout=False)
-
     def __init__(self, **kw):
         super().__init__(**kw)
         self.entropy: list[float] = []
@@ -35,7 +32,7 @@ class EntropyChart(Widget):
         self.steps = [(s.step, s.max_steps) for s in steps]  # numbered as the status line numbers them
         self.canvas = canvas
         self.cursor = cursor
-        self.version += 1
+        self.refresh()
 
     def render(self) -> Text:
         t = Text()

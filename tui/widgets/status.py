@@ -1,22 +1,87 @@
-"""The status line: block, step, temperature, speed, memory."""
+"""The status line: block, step, temperature, speed, memory, precision; or an answer's summary.
+
+A terminal 80 columns wide cannot show every number: the line is made of parts, each with a
+rank, and the parts that do not fit are left out whole, least important first, rather than the
+line being cut at the edge (which used to cut the precision label in half at 100 columns).
+"""
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.widgets import Static
+
+from mlx_dgemma.events import DoneEvent, StepEvent
+
+SEP = "  "
+Parts = list[tuple[str, int]]  # (text, rank): rank 0 is always shown, higher ranks go first
+
+
+def fit(parts: Parts, width: int, sep: str = SEP) -> str:
+    """``parts`` joined by ``sep`` in their order, leaving out the highest-ranked parts (the
+    rightmost of equal rank first) until the line is at most ``width`` characters."""
+    keep = list(parts)
+    while len(sep.join(t for t, _ in keep)) > width and any(rank for _, rank in keep):
+        worst = max(range(len(keep)), key=lambda i: (keep[i][1], i))
+        del keep[worst]
+    return sep.join(t for t, _ in keep)
+
+
+def step_parts(ev: StepEvent, blocks: int, spf: float, tpf: float | None, prefill_tps: float | None,
+               memory: int, note: str = "", precision: str = "") -> Parts:
+    """The live (or replayed) step: where, how hot, how fast, how much memory, which precision."""
+    parts = [(f"block {ev.block + 1}/{blocks}", 0), (f"step {ev.step}/{ev.max_steps}", 0),
+             (f"T={ev.temperature:.3f}", 3), (f"{ev.seconds if spf == 0 else spf:.2f} s/step", 1)]
+    if tpf is not None:
+        parts.append((f"{tpf:.2f} tok/fwd", 4))
+    if prefill_tps is not None:
+        parts.append((f"prefill {prefill_tps:.0f} tok/s", 4))
+    parts.append((f"mem {memory / 1e9:.2f} GB", 2))
+    if precision:  # which runtime precision is running: "fast (bfloat16)", "exact (float32)"
+        parts.append((precision, 1))
+    if note:
+        parts.append((note, 0))
+    return parts
+
+
+def summary_parts(done: DoneEvent) -> Parts:
+    """A finished answer: why it stopped, its steps and speed, peak memory, the keys to go on."""
+    parts = [(f"{done.finish_reason}: {len(done.steps_per_block)} block(s)", 0), (f"{done.steps} steps", 1),
+             (f"{done.seconds_per_step:.2f} s/step", 1), (f"{done.tokens_per_forward:.2f} tok/fwd", 4),
+             (f"prefill {done.prefill_tokens_per_second:.0f} tok/s", 4),
+             (f"peak {done.peak_memory_bytes / 1e9:.2f} GB", 2)]
+    if done.precision:
+        parts.append((done.precision, 1))
+    return parts + [("ctrl+b/f replay", 3), ("ctrl+t export", 3)]
 
 
 class StatusLine(Static):
-    def show_step(self, ev, blocks: int, spf: float, tpf: float | None, prefill_tps: float | None,
+    """One line of plain text (no markup: paths and errors may hold brackets)."""
+
+    def __init__(self, text: str = "", **kw):
+        super().__init__(text, markup=False, **kw)
+        self.parts: Parts | None = None  # set by show_parts; fitted to the width at each render
+
+    def update(self, content="", *, layout: bool = True) -> None:
+        self.parts = None
+        super().update(content, layout=layout)
+
+    def show_parts(self, parts: Parts) -> None:
+        self.parts = parts
+        self.refresh()
+
+    def show_step(self, ev: StepEvent, blocks: int, spf: float, tpf: float | None, prefill_tps: float | None,
                   memory: int, note: str = "", precision: str = "") -> None:
-        parts = [f"block {ev.block + 1}/{blocks}", f"step {ev.step}/{ev.max_steps}", f"T={ev.temperature:.3f}",
-                 f"{ev.seconds:.2f} s/step" if spf == 0 else f"{spf:.2f} s/step"]
-        if tpf is not None:
-            parts.append(f"{tpf:.2f} tok/fwd")
-        if prefill_tps is not None:
-            parts.append(f"prefill {prefill_tps:.0f} tok/s")
-        parts.append(f"mem {memory / 1e9:.2f} GB")
-        if precision:  # which runtime precision is running: "fast (bfloat16)", "exact (float32)"
-            parts.append(precision)
-        if note:
-            parts.append(note)
-        self.update("  ".join(parts))
+        self.show_parts(step_parts(ev, blocks, spf, tpf, prefill_tps, memory, note, precision))
+
+    def show_summary(self, done: DoneEvent) -> None:
+        self.show_parts(summary_parts(done))
+
+    @property
+    def text(self) -> str:
+        """What the line shows now (at its current width)."""
+        return str(self.render())
+
+    def render(self):
+        if self.parts is None:
+            return super().render()
+        return Text(fit(self.parts, self.content_region.width or 78), no_wrap=True)
