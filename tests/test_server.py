@@ -422,13 +422,29 @@ def _hostile_cases() -> list[tuple[str, str, Any, int, str | None]]:
     return cases
 
 
-def test_hostile_requests(server):
+@pytest.fixture
+def own_server(tmp_path_factory):
+    """A server no other test has used: the log-line count below sees only this test's requests
+    (a shared one could still be writing a late line for an earlier test's request under load)."""
+    srv = LiveServer(str(tmp_path_factory.mktemp("demo-cache")))
+    try:
+        srv.wait_ready(timeout=300)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_hostile_requests(own_server):
+    server = own_server
     cases = _hostile_cases()
     assert len(cases) >= 50
     quiet(server)
 
-    def counted() -> int:  # quiet() polls /health: count every other request
-        return sum("GET /health" not in ln for ln in server.request_lines())
+    def others() -> list[str]:  # quiet() polls /health: count every other request
+        return [ln for ln in server.request_lines() if "GET /health" not in ln]
+
+    def counted() -> int:
+        return len(others())
 
     n_before = counted()
     for method, path, body, status, param in cases:
@@ -453,7 +469,7 @@ def test_hostile_requests(server):
     assert chat(server, seed=0, extra_body={"max_denoising_steps": 1}).choices[0].finish_reason in ("stop", "length")
     expected = len(cases) + 2 + 1 + 1  # cases, two huge bodies, unknown fields, the last chat
     quiet(server)
-    assert counted() - n_before == expected
+    assert counted() - n_before == expected, others()[n_before:]
     assert server.proc.poll() is None
 
 
