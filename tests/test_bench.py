@@ -3,7 +3,10 @@
 import argparse
 import json
 
+import pytest
+
 from mlx_dgemma.bench import CONFIGS, add_args, main, step_flops
+from mlx_dgemma.cli import main as cli_main
 from mlx_dgemma.model import ModelArgs
 
 
@@ -44,3 +47,17 @@ def test_step_flops_of_the_published_shapes():
     layers = total - 2 * head - 2 * 256 * 3 * 2816 * 2112
     assert 1.7e12 < layers < 2.3e12
     assert abs(head - 0.378e12) < 0.01e12
+
+
+@pytest.mark.parametrize("flag, value, expected", [("--peers", "mlx-vlm,mlx-vml", "'mlx-vml'"),
+                                                   ("--extras", "quality,breakdwn", "'breakdwn'"),
+                                                   ("--configs", "tiny,huge", "'huge'"),
+                                                   ("--precisions", "exact,fastest", "'exact,fastest'")])
+def test_bench_rejects_a_bad_list_before_measuring(tmp_path, capsys, flag, value, expected):
+    # A typo in a list must not cost a first config's measurements (nor write a cache or JSON).
+    out = tmp_path / "b.json"
+    rc = cli_main(["bench", "--configs", "tiny", flag, value, "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"mlx-dgemma bench: error: {flag}: ") and expected in err[0], err
+    assert not out.exists() and not (tmp_path / "w").exists()
