@@ -70,15 +70,15 @@ def measure_ours(model_dir: str, prompt_len: int, warmup: int, steps: int, sc_to
 
 
 def measure_mlx_vlm(gguf: Path, prompt_len: int, warmup: int, steps: int, quantized: bool) -> dict:
+    """mlx-vlm's decoder pass plus its next self-conditioning (what a step of ours holds besides
+    the sampler), dense float32 with the GGUF's weights or its stock 4-bit bfloat16."""
     from .peers import mlx_vlm_model_from_gguf
 
     dtype = mx.bfloat16 if quantized else mx.float32
     model = mlx_vlm_model_from_gguf(gguf, dtype=dtype, quantize_bits=4 if quantized else None)
     tc = model.config.text_config
     C = model.config.canvas_length
-    rng = np.random.default_rng(0)
-    prompt = mx.array(rng.integers(0, tc.vocab_size, (1, prompt_len)), dtype=mx.int32)
-    canvas = mx.array(rng.integers(0, tc.vocab_size, (1, C)), dtype=mx.int32)
+    prompt, canvas = random_inputs(tc, C, prompt_len)  # the same ids as ours
     cache = model.make_cache()
     t0 = time.perf_counter()
     model.diffusion_prefill_cache(prompt, cache=cache)
@@ -102,6 +102,7 @@ def measure_mlx_vlm(gguf: Path, prompt_len: int, warmup: int, steps: int, quanti
 
 
 def measure_hf(gguf: Path, prompt_len: int, warmup: int, steps: int) -> dict:
+    """The Hugging Face reference's forward pass over the canvas (torch eager, on the CPU)."""
     import torch
 
     from .peers import HFRunner, hf_model_from_gguf
