@@ -80,7 +80,7 @@ def hf_model_from_gguf(gguf_path: Path, attn_implementation: str = "eager", dtyp
                 target = params.get(name, buffers.get(name))
                 if target is None:
                     raise KeyError(f"the HF model has no {name}")
-                target.copy_(torch.from_numpy(np.ascontiguousarray(value)).reshape(target.shape))
+                target.copy_(torch.from_numpy(np.array(value)).reshape(target.shape))  # a writable copy
                 seen.add(name)
     missing = {n for n in params if "vision" not in n and n not in seen and n != "lm_head.weight"}
     if missing:
