@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mlx_dgemma.bench import CONFIGS, add_args, main, step_flops
+from mlx_dgemma.bench import CONFIGS, add_args, isolated, main, step_flops
 from mlx_dgemma.cli import main as cli_main
 from mlx_dgemma.model import ModelArgs
 
@@ -61,3 +61,17 @@ def test_bench_rejects_a_bad_list_before_measuring(tmp_path, capsys, flag, value
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(f"mlx-dgemma bench: error: {flag}: ") and expected in err[0], err
     assert not out.exists() and not (tmp_path / "w").exists()
+
+
+def raise_import_error(module: str) -> None:
+    """An isolated target whose import of ``module`` fails (see the test below)."""
+    raise ImportError(f"No module named {module!r}", name=module)
+
+
+def test_isolated_reports_a_missing_peer_but_not_a_broken_import_of_ours():
+    # Only a peer's package (mlx_vlm, torch, transformers) missing means "install the peers";
+    # our own module failing to import is a bug to show as such.
+    peer = isolated("tests.test_bench:raise_import_error", timeout=120, module="mlx_vlm.models")
+    assert peer["missing"] == "mlx_vlm.models" and "pip install" in peer["skipped"]
+    ours = isolated("tests.test_bench:raise_import_error", timeout=120, module="mlx_dgemma.bench.gone")
+    assert "missing" not in ours and ours["skipped"].startswith("ImportError") and "pip install" not in ours["skipped"]
