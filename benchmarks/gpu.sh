@@ -2,7 +2,7 @@
 # The GPU benchmark run (MLX CUDA backend), as recorded in benchmarks/RESULTS.md.
 # On the device machine, from the project root, after `bash ../shared/gpu/prepare.sh` here:
 #   . .gpu/setup.sh && bash benchmarks/gpu.sh "$OUT" [extra bench args...]
-# One process per measurement (bench.isolated); MLX's CUDA JIT caches compiled kernels in
+# One process per measurement (mlx_dgemma.bench.isolate); MLX's CUDA JIT caches compiled kernels in
 # MLX_PTX_CACHE_DIR, so only the first process pays for each kernel.
 set -uo pipefail
 OUT="${1:?output directory}"; shift

@@ -22,7 +22,7 @@ MLX_VLM_STEP = 2048  # mlx_vlm.generate.common.DEFAULT_PREFILL_STEP_SIZE
 
 
 def _rss() -> int:
-    from mlx_dgemma.generation import current_rss_bytes
+    from mlx_dgemma.memory import current_rss_bytes
 
     return current_rss_bytes()
 
@@ -38,7 +38,7 @@ def measure_ours(model_dir: str, n: int, chunk: int) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_dgemma.api import load
+    from mlx_dgemma import load
     from mlx_dgemma.memory import estimate_prefill
 
     model, _ = load(model_dir)
@@ -63,7 +63,7 @@ def measure_mlx_vlm(gguf: str, n: int, step: int) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_dgemma.reference import mlx_vlm_model_from_gguf
+    from mlx_dgemma.bench.peers import mlx_vlm_model_from_gguf
 
     model = mlx_vlm_model_from_gguf(Path(gguf), dtype=mx.float32)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -103,7 +103,7 @@ def sample_ours(model_dir: str, depth: int, n: int, chunk: int) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_dgemma.api import load
+    from mlx_dgemma import load
 
     model, _ = load(model_dir)
     a = model.args
@@ -116,8 +116,9 @@ def sample_ours(model_dir: str, depth: int, n: int, chunk: int) -> dict:
         kv = a.num_key_value_heads if layer.sliding else a.num_global_key_value_heads
         d = a.head_dim if layer.sliding else a.global_head_dim
         keep = min(depth, a.sliding_window - 1) if layer.sliding else depth
-        pos = mx.arange(depth - keep, depth, dtype=mx.int32)
-        layer._store(_random_kv((1, kv, keep, d), 2 * i), _random_kv((1, kv, keep, d), 2 * i + 1), pos)
+        # an encoder write of the last `keep` positions (what a real prefill leaves cached)
+        layer.attend(_random_kv((1, kv, keep, d), 2 * i), _random_kv((1, kv, keep, d), 2 * i + 1), depth - keep,
+                     encode=True)
         layer.count = depth
     cache.offset = depth
     mx.eval(cache.state())
@@ -136,7 +137,7 @@ def sample_mlx_vlm(gguf: str, depth: int, n: int, step: int) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_dgemma.reference import mlx_vlm_model_from_gguf
+    from mlx_dgemma.bench.peers import mlx_vlm_model_from_gguf
 
     model = mlx_vlm_model_from_gguf(Path(gguf), dtype=mx.float32)
     tc = model.config.text_config

@@ -23,7 +23,6 @@ from .errors import NonFiniteError, ParameterError
 # The events live in mlx_dgemma.events (numpy only); re-exported here for older imports.
 from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent  # noqa: F401
 from .memory import check_fits, estimate, peak_memory_bytes, reset_peak_memory
-from .memory import current_rss_bytes, peak_rss_bytes  # noqa: F401  (moved to memory.py; old imports work)
 from .model import DEFAULT_PREFILL_CHUNK, DiffusionGemma
 from .sampler import SamplerParams, finalize_block, temperature
 from .step import StepFunction

@@ -229,6 +229,10 @@ class Experts(nn.Module):
         self.gate_up_proj = SwitchLinear(h, 2 * i, e, bias=False)
         self.down_proj = SwitchLinear(i, h, e, bias=False)
 
+    def gated(self, gu: mx.array) -> mx.array:
+        """The experts' activation: gelu(gate) * up of a fused gate/up output [..., 2I] -> [..., I]."""
+        return _gelu(gu[..., : self.inter]) * gu[..., self.inter:]
+
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
         shape = x.shape
         x = mx.expand_dims(x.reshape(-1, shape[-1]), (-2, -3))  # [N, 1, 1, H]
@@ -239,8 +243,7 @@ class Experts(nn.Module):
         if do_sort:
             x, ids, inv = _gather_sort(x, idx)
         gu = self.gate_up_proj(x, ids, sorted_indices=do_sort)  # [., 1, 2I]
-        act = _gelu(gu[..., : self.inter]) * gu[..., self.inter:]
-        y = self.down_proj(act, ids, sorted_indices=do_sort)  # [., 1, H]
+        y = self.down_proj(self.gated(gu), ids, sorted_indices=do_sort)  # [., 1, H]
         if do_sort:
             y = _scatter_unsort(y, inv, idx.shape)  # [N, K, 1, H]
         y = y.squeeze(-2)  # [N, K, H]
@@ -313,8 +316,9 @@ class DiffusionGemma(nn.Module):
         # loader's runtime precision sets it (``mlx_dgemma.precision``). Not a parameter.
         self.activation_dtype = mx.float32
 
-    def _global_freqs(self) -> mx.array:
-        """Wavelengths base^(2i/d) times llama.cpp's factors (1 = rotate, 1e30 = keep)."""
+    def global_freqs(self) -> mx.array:
+        """RoPE wavelengths of the global layers: base^(2i/d) times llama.cpp's factors (1 =
+        rotate, 1e30 = keep), as their attention takes them (``freqs``; sliding layers: None)."""
         d = self.args.global_head_dim
         base = float(self.args.rope_parameters["full_attention"]["rope_theta"])
         return (base ** (mx.arange(0, d, 2, dtype=mx.float32) / d)) * self.rope_freqs
@@ -326,7 +330,7 @@ class DiffusionGemma(nn.Module):
         return KVCache(self.args)
 
     def _layers(self, h: mx.array, cache: KVCache, encode: bool) -> mx.array:
-        freqs = self._global_freqs()
+        freqs = self.global_freqs()
         offset = cache.offset
         for i, layer in enumerate(self.layers):
             h = layer(h, cache[i], offset, encode, None if layer.self_attn.sliding else freqs)
@@ -356,7 +360,7 @@ class DiffusionGemma(nn.Module):
         if step < 1:
             raise ParameterError(f"prefill chunk_size: {chunk_size}; expected a positive number of tokens (or None)")
         cache.reserve(int(cache.offset) + P)
-        freqs = self._global_freqs()
+        freqs = self.global_freqs()
         last = len(self.layers) - 1
         for start in range(0, P, step):
             chunk = ids[:, start:start + step]

@@ -58,7 +58,7 @@ def check_text(text: str, name: str = "prompt") -> None:
 
 
 class Tokenizer:
-    """Encode/decode plus the special ids generation needs."""
+    """Encode/decode, the special (control) ids, and a token's piece for the canvas view."""
 
     def __init__(self, data: dict[str, Any], chat_template: str | None = None, source: str = "tokenizer data"):
         check_tokenizer_data(data, source)  # types, ids in range, merges of known tokens
@@ -75,16 +75,15 @@ class Tokenizer:
         self.kind = kind
         self.vocab_size = len(tokens)
         self.tokens = tokens
-        self.unk_id = int(data.get("tokenizer.ggml.unknown_token_id", 3))
         self.bos_id = int(data.get("tokenizer.ggml.bos_token_id", 2))
-        self.eos_id = int(data.get("tokenizer.ggml.eos_token_id", 1))
-        self.pad_id = int(data.get("tokenizer.ggml.padding_token_id", 0))
-        self.mask_id = int(data.get("tokenizer.ggml.mask_token_id", 4))
-        self.add_bos = bool(data.get("tokenizer.ggml.add_bos_token", True))
         self.chat_template = chat_template
+        # the named special tokens stay whole (generation reads eos/pad/mask from the model's configs)
+        unk_id = int(data.get("tokenizer.ggml.unknown_token_id", 3))
+        named = {unk_id, self.bos_id, int(data.get("tokenizer.ggml.eos_token_id", 1)),
+                 int(data.get("tokenizer.ggml.padding_token_id", 0)), int(data.get("tokenizer.ggml.mask_token_id", 4))}
         vocab = {t: i for i, t in enumerate(tokens)}
         try:
-            backend = _Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=tokens[self.unk_id],
+            backend = _Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=tokens[unk_id],
                                    byte_fallback=True, dropout=None))
         except Exception as e:  # the tokenizers backend raises its own exception type
             raise ModelFilesError(f"{source}: the tokenizer cannot be built ({e}); convert the model again") from None
@@ -92,7 +91,6 @@ class Tokenizer:
         backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous")
         backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
                                              decoders.Fuse()])
-        named = {self.pad_id, self.eos_id, self.bos_id, self.unk_id, self.mask_id}
         special = [t for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL or i in named]
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
         user = [t for t, ty in zip(tokens, types) if ty == USER_DEFINED]

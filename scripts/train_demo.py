@@ -383,7 +383,7 @@ def export(args: argparse.Namespace) -> None:
     from mlx_dgemma.convert.metadata import ARCH, TextConfig
     from mlx_dgemma.convert.names import expected_tensors, mlx_name
     from mlx_dgemma.convert.synthetic import _add_kv
-    from mlx_dgemma.reference import hf_names
+    from mlx_dgemma.bench.peers import hf_names
 
     cfg = json.loads((BUILD / "config.json").read_text())
     state = torch.load(BUILD / "ckpt.pt", map_location="cpu")["state"]

@@ -6,4 +6,4 @@ torch = pytest.importorskip("torch", reason="parity needs torch (pip install tor
 transformers = pytest.importorskip("transformers", minversion="5.23",
                                    reason="parity needs transformers >= 5.23 (DiffusionGemma)")
 
-from mlx_dgemma.reference import HFRunner, hf_model_from_gguf  # noqa: E402,F401
+from mlx_dgemma.bench.peers import HFRunner, hf_model_from_gguf  # noqa: E402,F401

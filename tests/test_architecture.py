@@ -44,18 +44,23 @@ KNOWN_CORE_EXCEPTIONS = {
     ("mlx_dgemma/cli.py", "mlx_dgemma.convert.converter"),
     ("mlx_dgemma/cli.py", "mlx_dgemma.convert.verify"),
     ("mlx_dgemma/cli.py", "mlx_dgemma.tui.app"),
-    # The demo model and the benchmark are built from synthetic GGUFs, converted.
+    # The demo model is built from a synthetic GGUF, converted.
     ("mlx_dgemma/demo.py", "mlx_dgemma.convert.synthetic"),
-    ("mlx_dgemma/bench.py", "mlx_dgemma.convert.synthetic"),
-    ("mlx_dgemma/bench.py", "mlx_dgemma.convert.converter"),
-    # Peers (HF reference, mlx-vlm) are given exactly a GGUF's weights, named as the converter names them.
-    ("mlx_dgemma/reference.py", "mlx_dgemma.convert.names"),
-    ("mlx_dgemma/reference.py", "mlx_dgemma.convert.converter"),
 }
 
+# The benchmark (mlx_dgemma/bench/) is tooling beside the core, like the command line: it may
+# use convert's public names (its models are synthetic GGUFs, converted; its peers are given a
+# GGUF's weights), and only the command line that runs it imports it.
+BENCH_IMPORTERS = {"mlx_dgemma/cli.py"}
+
 # Installed package -> source folder (pyproject's package-dir mapping).
-PACKAGES = {"mlx_dgemma": "mlx_dgemma", "mlx_dgemma.convert": "convert", "mlx_dgemma.tui": "tui",
-            "mlx_dgemma.tui.screens": "tui/screens", "mlx_dgemma.tui.widgets": "tui/widgets"}
+PACKAGES = {"mlx_dgemma": "mlx_dgemma", "mlx_dgemma.bench": "mlx_dgemma/bench", "mlx_dgemma.convert": "convert",
+            "mlx_dgemma.tui": "tui", "mlx_dgemma.tui.screens": "tui/screens", "mlx_dgemma.tui.widgets": "tui/widgets"}
+
+# The packages beside the core: (source folder prefix, installed package, packages it must not import).
+SIDES = {"convert/": ("mlx_dgemma.convert", ("mlx_dgemma.tui", "mlx_dgemma.bench")),
+         "tui/": ("mlx_dgemma.tui", ("mlx_dgemma.convert", "mlx_dgemma.bench")),
+         "mlx_dgemma/bench/": ("mlx_dgemma.bench", ("mlx_dgemma.tui",))}
 
 
 def _imports(package: str, folder: str) -> list[tuple[str, str, str, int]]:
@@ -96,6 +101,7 @@ def test_the_import_scan_sees_relative_and_lazy_imports():
     assert ("mlx_dgemma/loader.py", "mlx_dgemma.convert.converter") in found  # lazy, relative
     assert ("tui/screens/chat.py", "mlx_dgemma.tui.engine") in found  # `from ..engine import`
     assert ("tui/screens/chat.py", "mlx_dgemma.events") in found
+    assert ("mlx_dgemma/bench/peers.py", "mlx_dgemma.convert.names") in found  # lazy, absolute
 
 
 def test_core_imports_neither_tui_nor_convert_beyond_the_known_exceptions():
@@ -106,16 +112,35 @@ def test_core_imports_neither_tui_nor_convert_beyond_the_known_exceptions():
     assert not bad, "the core reaches into convert/tui (see docs/architecture.md):\n" + "\n".join(bad)
 
 
-def test_convert_and_tui_use_the_cores_public_names_only():
+def test_core_never_imports_the_benchmark():
+    bad = sorted(f"{f}:{line} imports {m}" for f, m, _, line in _all_imports()
+                 if _under(m, "mlx_dgemma.bench") and not f.startswith("mlx_dgemma/bench/")
+                 and f not in BENCH_IMPORTERS)
+    assert not bad, "only the command line runs the benchmark (see docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_benchmark_uses_public_members_only():
+    # The bench and benchmarks/ measure the model as a user runs it: a study that needs a piece
+    # of the model gets a public method there (e.g. `DiffusionGemma.global_freqs`), not `._x`.
+    bad = []
+    for path in sorted((ROOT / "mlx_dgemma/bench").glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                bad.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: .{node.attr}")
+    assert not bad, "private members reached into:\n" + "\n".join(bad)
+
+
+def test_convert_tui_and_bench_use_the_cores_public_names_only():
     bad = []
     for f, m, name, line in _all_imports():
-        side = "convert" if f.startswith("convert/") else "tui" if f.startswith("tui/") else None
+        side = next((v for k, v in SIDES.items() if f.startswith(k)), None)
         if side is None or not _under(m, "mlx_dgemma"):
             continue
-        own = f"mlx_dgemma.{side}"
-        other = "mlx_dgemma.tui" if side == "convert" else "mlx_dgemma.convert"
-        if _under(m, other):
-            bad.append(f"{f}:{line} imports {m} (convert and tui do not import each other)")
+        own, others = side
+        if any(_under(m, o) for o in others):
+            bad.append(f"{f}:{line} imports {m} (convert, tui and bench do not import each other; "
+                       "bench may use convert's public names)")
         elif not _under(m, own):
             private = [p for p in m.split(".")[1:] + [name] if p.startswith("_") and p != "__future__"]
             if private:
@@ -127,7 +152,7 @@ def test_convert_and_tui_reach_the_core_by_absolute_imports():
     # `..` across the package-dir mapping hides which package a name comes from (issue 11).
     bad = []
     for package, folder in PACKAGES.items():
-        own = ".".join(package.split(".")[:2])  # mlx_dgemma.convert or mlx_dgemma.tui
+        own = ".".join(package.split(".")[:2])  # mlx_dgemma.convert, mlx_dgemma.tui or mlx_dgemma.bench
         if own == "mlx_dgemma":
             continue
         for path in sorted((ROOT / folder).glob("*.py")):

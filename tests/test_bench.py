@@ -3,7 +3,10 @@
 import argparse
 import json
 
-from mlx_dgemma.bench import CONFIGS, add_args, main, step_flops
+import pytest
+
+from mlx_dgemma.bench import CONFIGS, add_args, isolated, main, step_flops
+from mlx_dgemma.cli import main as cli_main
 from mlx_dgemma.model import ModelArgs
 
 
@@ -44,3 +47,31 @@ def test_step_flops_of_the_published_shapes():
     layers = total - 2 * head - 2 * 256 * 3 * 2816 * 2112
     assert 1.7e12 < layers < 2.3e12
     assert abs(head - 0.378e12) < 0.01e12
+
+
+@pytest.mark.parametrize("flag, value, expected", [("--peers", "mlx-vlm,mlx-vml", "'mlx-vml'"),
+                                                   ("--extras", "quality,breakdwn", "'breakdwn'"),
+                                                   ("--configs", "tiny,huge", "'huge'"),
+                                                   ("--precisions", "exact,fastest", "'exact,fastest'")])
+def test_bench_rejects_a_bad_list_before_measuring(tmp_path, capsys, flag, value, expected):
+    # A typo in a list must not cost a first config's measurements (nor write a cache or JSON).
+    out = tmp_path / "b.json"
+    rc = cli_main(["bench", "--configs", "tiny", flag, value, "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"mlx-dgemma bench: error: {flag}: ") and expected in err[0], err
+    assert not out.exists() and not (tmp_path / "w").exists()
+
+
+def raise_import_error(module: str) -> None:
+    """An isolated target whose import of ``module`` fails (see the test below)."""
+    raise ImportError(f"No module named {module!r}", name=module)
+
+
+def test_isolated_reports_a_missing_peer_but_not_a_broken_import_of_ours():
+    # Only a peer's package (mlx_vlm, torch, transformers) missing means "install the peers";
+    # our own module failing to import is a bug to show as such.
+    peer = isolated("tests.test_bench:raise_import_error", timeout=120, module="mlx_vlm.models")
+    assert peer["missing"] == "mlx_vlm.models" and "pip install" in peer["skipped"]
+    ours = isolated("tests.test_bench:raise_import_error", timeout=120, module="mlx_dgemma.bench.gone")
+    assert "missing" not in ours and ours["skipped"].startswith("ImportError") and "pip install" not in ours["skipped"]

@@ -69,7 +69,7 @@ def test_chunked_prefill_matches_reference(gguf_and_model):
     """Chunked prompt, a decoded block, the block committed in chunks, the next block: vs HF."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers", minversion="5.23")
-    from mlx_dgemma.reference import HFRunner, hf_model_from_gguf
+    from mlx_dgemma.bench.peers import HFRunner, hf_model_from_gguf
 
     gguf, model = gguf_and_model
     ref = HFRunner(hf_model_from_gguf(gguf))

@@ -1,6 +1,7 @@
 """Peers holding exactly a GGUF's weights: the Hugging Face reference (torch) and mlx-vlm's
-MLX DiffusionGemma. Used by the parity tests and the benchmark; their packages (torch,
-transformers, mlx-vlm) are optional and imported only here, on demand.
+MLX DiffusionGemma. Used by the benchmark and the parity tests (``tests/hf_reference.py``);
+their packages (torch, transformers, mlx-vlm) are optional and imported only here, on demand.
+Tooling, not runtime: nothing in the core imports this module.
 
 Every tensor is dequantized with gguf-py into the Hugging Face checkpoint naming, into the
 encoder and the decoder alike, except the layer scalars: ``enc_layer_output_scale`` goes
@@ -42,7 +43,7 @@ def dequantized_tensors(gguf_path: Path) -> Iterator[tuple[str, np.ndarray]]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    from .convert.names import mlx_name
+    from mlx_dgemma.convert.names import mlx_name
 
     for t in GGUFReader(gguf_path).tensors:
         shape = tuple(int(x) for x in reversed(t.shape))
@@ -50,7 +51,8 @@ def dequantized_tensors(gguf_path: Path) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def text_config(gguf_path: Path) -> tuple[dict, int]:
-    from .convert.converter import model_metadata, open_gguf
+    """The GGUF's text config as the converter reads it (HF field names) and its canvas length."""
+    from mlx_dgemma.convert.converter import model_metadata, open_gguf
 
     md, cfg = model_metadata(open_gguf(gguf_path), str(gguf_path))
     text = cfg.to_dict()
@@ -64,9 +66,9 @@ def hf_model_from_gguf(gguf_path: Path, attn_implementation: str = "eager", dtyp
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     text, canvas = text_config(gguf_path)
-    config = DiffusionGemmaConfig(text_config=text, vision_config=TINY_VISION, canvas_length=canvas)
-    config.text_config._attn_implementation = attn_implementation
-    config._attn_implementation = attn_implementation
+    # the config passes attn_implementation on to its sub-configs (text and vision)
+    config = DiffusionGemmaConfig(text_config=text, vision_config=TINY_VISION, canvas_length=canvas,
+                                  attn_implementation=attn_implementation)
     torch.manual_seed(0)
     model = DiffusionGemmaForBlockDiffusion(config).eval().to(dtype or torch.float32)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -78,7 +80,7 @@ def hf_model_from_gguf(gguf_path: Path, attn_implementation: str = "eager", dtyp
                 target = params.get(name, buffers.get(name))
                 if target is None:
                     raise KeyError(f"the HF model has no {name}")
-                target.copy_(torch.from_numpy(np.ascontiguousarray(value)).reshape(target.shape))
+                target.copy_(torch.from_numpy(np.array(value)).reshape(target.shape))  # a writable copy
                 seen.add(name)
     missing = {n for n in params if "vision" not in n and n not in seen and n != "lm_head.weight"}
     if missing:

@@ -1,0 +1,54 @@
+"""The benchmark's random models: named configs, each a synthetic Q4_K_M GGUF and its exact
+conversion, cached in a work directory; and the random prompt and canvas every measurement
+feeds them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=256, intermediate_size=256, num_layers=3, global_layers=(2,), num_heads=2,
+                 num_kv_heads=1, num_global_kv_heads=1, head_dim=64, global_head_dim=128, sliding_window=64,
+                 num_experts=8, top_k=2, moe_intermediate_size=64, vocab_size=512, canvas_length=256),
+    "medium": dict(hidden_size=512, intermediate_size=768, num_layers=6, global_layers=(5,), num_heads=8,
+                   num_kv_heads=4, num_global_kv_heads=4, head_dim=64, global_head_dim=128,
+                   sliding_window=512, num_experts=32, top_k=4, moe_intermediate_size=256, vocab_size=8192,
+                   canvas_length=256),
+    # The published model's layer shapes, one sliding and one global layer.
+    "real-shapes": dict(hidden_size=2816, intermediate_size=2112, num_layers=2, global_layers=(1,), num_heads=16,
+                        num_kv_heads=8, num_global_kv_heads=2, head_dim=256, global_head_dim=512,
+                        sliding_window=1024, num_experts=128, top_k=8, moe_intermediate_size=704,
+                        vocab_size=262144, canvas_length=256),
+}
+
+
+def build(name: str, workdir: Path, canvas: int | None) -> tuple[Path, Path]:
+    """Random Q4_K_M GGUF of a config and its exact conversion (cached in ``workdir``)."""
+    # imported here: `mlx-dgemma --help` builds the bench's arguments without the converter
+    from mlx_dgemma.convert.converter import convert
+    from mlx_dgemma.convert.synthetic import TinySpec, write_tiny_gguf
+
+    spec = dict(CONFIGS[name])
+    if canvas:
+        spec["canvas_length"] = canvas
+    tag = f"{name}-c{spec['canvas_length']}"
+    gguf = workdir / f"{tag}.gguf"
+    out = workdir / tag
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not gguf.is_file():
+        write_tiny_gguf(gguf, TinySpec(**spec, context_length=65536), types="q4_k_m", seed=0, weight_std=0.02)
+    if not out.is_dir():
+        convert(gguf, out)
+    return gguf, out
+
+
+def random_inputs(a: Any, canvas: int, prompt_len: int, seed: int = 0) -> tuple[mx.array, mx.array]:
+    """A random prompt [1, prompt_len] and canvas [1, canvas] of token ids for model args ``a``."""
+    rng = np.random.default_rng(seed)
+    prompt = mx.array(rng.integers(0, a.vocab_size, (1, prompt_len)), dtype=mx.int32)
+    canv = mx.array(rng.integers(0, a.vocab_size, (1, canvas)), dtype=mx.int32)
+    return prompt, canv

@@ -1,0 +1,71 @@
+"""The bench's report: the machine a run measured, and the table printed from its result."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+import mlx.core as mx
+
+
+def machine() -> dict:
+    """The machine a run measured: platform, processor, Python, MLX and its device, CPUs."""
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": sys.version.split()[0], "mlx": mx.__version__, "device": str(mx.default_device()),
+            "cpus": os.cpu_count()}
+
+
+def table(result: dict) -> str:
+    """The human-readable report of :func:`mlx_dgemma.bench.run`'s result (the JSON holds the rest)."""
+    lines = [f"machine: {result['machine']['platform']} ({result['machine']['device']}, mlx {result['machine']['mlx']})",
+             "MLX dense matmul: " + ", ".join(f"{k} {v:.2f} GFLOP/s" for k, v in result["dense_matmul_gflops"].items())]
+    for name, entry in result["configs"].items():
+        lines += ["", f"## {name}",
+                  f"{'implementation':<36} {'ms/step':>9} {'prefill tok/s':>13} {'peak RSS GB':>11} {'MLX peak GB':>11}"]
+        for r in entry["rows"]:
+            if "skipped" in r:
+                lines.append(f"{r['impl']:<36} skipped: {r['skipped']}")
+                continue
+            peak = f"{r['peak_rss_bytes'] / 1e9:.2f}" if r.get("peak_rss_bytes") else "-"
+            mpeak = f"{r['mlx_peak_bytes'] / 1e9:.2f}" if r.get("mlx_peak_bytes") else "-"
+            lines.append(f"{r['impl']:<36} {r['seconds_per_step'] * 1e3:>9.1f} "
+                         f"{r['prefill_tokens_per_second']:>13.1f} {peak:>11} {mpeak:>11}")
+        for ours in (r for r in entry["rows"] if "vs" in r):
+            if ours["vs"]:
+                lines.append(f"{ours['impl']}: " + ", ".join(f"{v:.2f}x {k}" for k, v in ours["vs"].items()))
+            lines.append(f"  {ours['flops_per_step'] / 1e9:.1f} GFLOP/step -> {ours['achieved_gflops']:.1f} GFLOP/s = "
+                         f"{ours['fraction_of_dense_matmul']:.0%} of MLX dense {ours['dtype']} matmul; load "
+                         f"{ours['load_seconds']:.1f} s, first step {ours['first_step_seconds']:.1f} s")
+            if "seconds_per_step_eager" in ours:
+                lines.append(f"  step: compiled {ours['seconds_per_step'] * 1e3:.1f} ms, eager "
+                             f"{ours['seconds_per_step_eager'] * 1e3:.1f} ms "
+                             f"(decoder pass alone {ours['seconds_decoder_only'] * 1e3:.1f} ms)")
+        q = entry.get("quality")
+        if q and "skipped" not in q:
+            lines.append(f"quality, {q['fast']} vs exact: max rel logit error {q['step_max_rel_logit_error']:.2e} "
+                         f"(step 1), {q['sc_step_max_rel_logit_error']:.2e} (self-conditioned); top-1 agreement "
+                         f"{q['step_top1_agreement']:.1%} / {q['sc_step_top1_agreement']:.1%}; identical blocks "
+                         f"{q['blocks_identical']}/{q['blocks_compared']}")
+        elif q:
+            lines.append(f"quality: skipped ({q['skipped']})")
+        for study in ("moe", "sc_top_k"):
+            if isinstance(entry.get(study), dict) and "skipped" in entry[study]:
+                lines.append(f"{study}: skipped ({entry.pop(study)['skipped']})")
+        for prec, parts in entry.get("breakdown", {}).items():
+            if "skipped" in parts:
+                lines.append(f"breakdown ({prec}): skipped ({parts['skipped']})")
+                continue
+            lines.append(f"breakdown ({prec}, ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
+        if "moe" in entry:
+            lines.append("MoE (one layer): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in entry["moe"].items()))
+        if "sc_top_k" in entry:
+            lines.append("self-conditioning: " + ", ".join(
+                f"{'exact' if r['sc_top_k'] is None else 'top-' + str(r['sc_top_k'])} "
+                f"{r['soft_embedding_seconds'] * 1e3:.1f} ms (err {r['max_rel_logit_error']:.1e})"
+                for r in entry["sc_top_k"]))
+        if "formats" in entry:
+            f = entry["formats"]
+            lines.append(f"formats: exact {f['exact']['bytes'] / 1e6:.1f} MB {f['exact']['seconds_per_step']:.3f} s/step; "
+                         f"compact {f['compact']['bytes'] / 1e6:.1f} MB {f['compact']['seconds_per_step']:.3f} s/step")
+    return "\n".join(lines)
