@@ -27,11 +27,12 @@ import numpy as np
 from gguf import GGUFReader
 
 from mlx_dgemma.paths import user_path
+from mlx_dgemma.schema import ModelArgs
 
 from .errors import ConvertError
 from mlx_dgemma.errors import NonFiniteError, terminate_as_interrupt
 from mlx_dgemma.validate import check_gguf_metadata, check_tokenizer_data, scan_gguf
-from .metadata import (ARCH, TextConfig, array_len, field_kinds, field_value, generation_config,
+from .metadata import (ARCH, args_from_metadata, array_len, field_kinds, field_value, generation_config,
                        partial_rotary_factor, read_metadata)
 from .names import mlx_name
 from .tensors import Converted, check_inventory, convert_tensor
@@ -158,7 +159,7 @@ def peek_architecture(path: Path, max_keys: int = 64) -> str | None:
     return None
 
 
-def model_metadata(reader: GGUFReader, source: str) -> tuple[dict, TextConfig]:
+def model_metadata(reader: GGUFReader, source: str) -> tuple[dict, ModelArgs]:
     """Metadata dict and text config, with the RoPE split read from ``rope_freqs``."""
     md = read_metadata(reader)
     check_gguf_metadata(md, field_kinds(reader), source)
@@ -171,20 +172,20 @@ def model_metadata(reader: GGUFReader, source: str) -> tuple[dict, TextConfig]:
         vocab = int(embd.shape[1])
     rope = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     factor = partial_rotary_factor(np.asarray(rope.data), source) if rope is not None else 0.25
-    cfg = TextConfig.from_metadata(md, vocab, source=source, partial_rotary_factor=factor)
+    cfg = args_from_metadata(md, vocab, source=source, partial_rotary_factor=factor)
     check_inventory(reader, cfg, source)
     return md, cfg
 
 
-def model_config(md: dict, cfg: TextConfig, specs: dict, compact: bool, source: str) -> dict:
+def model_config(md: dict, cfg: ModelArgs, specs: dict, compact: bool, source: str) -> dict:
     """config.json: a diffusion_gemma config plus a per-tensor ``quantization`` section."""
     bits = Counter(s["bits"] for s in specs.values()).most_common(1)
     quant = {"group_size": 32, "bits": bits[0][0] if bits else 4, "mode": "affine", **specs}
     return {
         "model_type": "diffusion_gemma",
         "architectures": ["DiffusionGemmaForBlockDiffusion"],
-        "canvas_length": int(md.get("diffusion.canvas_length", 256)),
-        "mask_token_id": int(md.get("tokenizer.ggml.mask_token_id", 4)),
+        "canvas_length": cfg.canvas_length,
+        "mask_token_id": cfg.mask_token_id,
         "tie_word_embeddings": True,
         "text_config": cfg.to_dict(),
         "quantization": quant,

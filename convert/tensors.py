@@ -10,29 +10,14 @@ from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from mlx_dgemma.errors import NonFiniteError
+from mlx_dgemma.schema import ModelArgs, QuantSpec
 from .errors import ConvertError
 from .names import expected_tensors, mlx_name
-from .metadata import TextConfig
 from .quants import (FLOAT_TYPES, FORMATS, SUPPORTED_TYPES, dequantize_affine, narrowest_exact_dtype,
                      pack_bits, repack_rows)
 
 # Rows of ggml blocks repacked at a time: bounds the temporary arrays to a few tens of MB.
 _CHUNK_BYTES = 8 << 20
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """How one weight is stored: MLX affine parameters plus where it came from."""
-
-    bits: int
-    group_size: int
-    scale_dtype: str  # "float16" | "float32"
-    subblock: int  # 32, or 16 for padded sub-blocks
-    ggml_type: str
-
-    def to_dict(self) -> dict:
-        return {"bits": self.bits, "group_size": self.group_size, "scale_dtype": self.scale_dtype,
-                "subblock": self.subblock, "ggml_type": self.ggml_type}
 
 
 @dataclass
@@ -63,7 +48,7 @@ def _mlx_shape(t) -> tuple[int, ...]:
     return tuple(int(x) for x in reversed(t.shape))
 
 
-def check_inventory(reader: GGUFReader, cfg: TextConfig, source: str) -> None:
+def check_inventory(reader: GGUFReader, cfg: ModelArgs, source: str) -> None:
     """Every tensor known, present, with the expected shape and a supported type."""
     expected = {e.name: e for e in expected_tensors(cfg)}
     present = {t.name: t for t in reader.tensors}

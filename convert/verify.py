@@ -20,12 +20,12 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from mlx_dgemma.paths import user_path
 
+from mlx_dgemma.schema import ModelArgs, QuantSpec, unpad_subblocks
 from mlx_dgemma.validate import check_model_dir, check_safetensors, model_dir_shards
 from .converter import model_metadata, open_gguf
 from .errors import ConvertError
-from .metadata import ARCH, TextConfig
+from .metadata import ARCH
 from .names import mlx_name
-from .quants import unpad_subblocks
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "U32": np.uint32, "BF16": np.uint16,
               "U8": np.uint8, "I32": np.int32}
@@ -67,7 +67,7 @@ _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_att
                "vocab_size", "num_experts", "top_k_experts", "moe_intermediate_size", "layer_types")
 
 
-def check_same_model(config: dict, gguf_cfg: TextConfig, model_dir: Path, gguf_path: Path) -> None:
+def check_same_model(config: dict, gguf_cfg: ModelArgs, model_dir: Path, gguf_path: Path) -> None:
     """The directory was converted from a model of this GGUF's architecture and shapes."""
     ours, theirs = config.get("text_config", {}), gguf_cfg.to_dict()
     for k in _SHAPE_KEYS:
@@ -106,11 +106,10 @@ def _recorded_bounds(model_dir: Path) -> dict[str, float]:
     return {k: float(v) for k, v in rec.items() if isinstance(v, (int, float))} if isinstance(rec, dict) else {}
 
 
-def _mlx_dequant(w: np.ndarray, s: np.ndarray, b: np.ndarray, spec: dict) -> np.ndarray:
+def _mlx_dequant(w: np.ndarray, s: np.ndarray, b: np.ndarray, spec: QuantSpec) -> np.ndarray:
     out = mx.dequantize(mx.array(np.ascontiguousarray(w)), mx.array(np.asarray(s, np.float32)),
-                        mx.array(np.asarray(b, np.float32)), group_size=spec["group_size"],
-                        bits=spec["bits"])
-    return unpad_subblocks(np.array(out), spec["subblock"])
+                        mx.array(np.asarray(b, np.float32)), group_size=spec.group_size, bits=spec.bits)
+    return unpad_subblocks(np.array(out), spec.subblock)
 
 
 def verify(model_dir: str | Path, gguf_path: str | Path,
@@ -130,7 +129,7 @@ def verify(model_dir: str | Path, gguf_path: str | Path,
             report.mismatches.append(f"{t.name}: not a DiffusionGemma tensor")
             continue
         base = path[: -len(".weight")] if path.endswith(".weight") else path
-        spec = quant.get(base) if isinstance(quant.get(base), dict) else None
+        spec = QuantSpec.from_dict(quant[base]) if isinstance(quant.get(base), dict) else None
         shape = tuple(int(x) for x in reversed(t.shape))
         raw = np.asarray(t.data)
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
