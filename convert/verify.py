@@ -22,10 +22,10 @@ from mlx_dgemma.paths import user_path
 
 from mlx_dgemma.schema import ModelArgs, QuantSpec, unpad_subblocks
 from mlx_dgemma.validate import check_model_dir, check_safetensors, model_dir_shards
-from .converter import model_metadata, open_gguf
 from .errors import ConvertError
 from .metadata import ARCH
-from .names import mlx_name
+from .names import mlx_name, module_path
+from .source import GGUFSource
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "U32": np.uint32, "BF16": np.uint16,
               "U8": np.uint8, "I32": np.int32}
@@ -116,19 +116,23 @@ def verify(model_dir: str | Path, gguf_path: str | Path,
            progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
     """Compare every tensor of ``model_dir`` with the GGUF it was converted from."""
     config, weights = open_model_dir(user_path(model_dir))
-    reader = open_gguf(user_path(gguf_path), ARCH)
-    _, gguf_cfg = model_metadata(reader, str(gguf_path))  # architecture, tensor names and shapes first
-    check_same_model(config, gguf_cfg, user_path(model_dir), user_path(gguf_path))
+    with GGUFSource(gguf_path, ARCH) as source:  # architecture, tensor names and shapes first
+        check_same_model(config, source.args, user_path(model_dir), source.path)
+        return _compare(config, weights, source, model_dir, progress)
+
+
+def _compare(config: dict, weights: dict[str, np.ndarray], source: GGUFSource, model_dir: str | Path,
+             progress: Callable[[int, int, str], None] | None) -> VerifyReport:
     quant = config.get("quantization", {})
     report = VerifyReport(compact=(config.get("mlx_dgemma") or {}).get("weights") == "compact")
     bounds = _recorded_bounds(user_path(model_dir)) if report.compact else {}
-    tensors = list(reader.tensors)
+    tensors = list(source.reader.tensors)
     for i, t in enumerate(tensors):
         path = mlx_name(t.name)
         if path is None:
             report.mismatches.append(f"{t.name}: not a DiffusionGemma tensor")
             continue
-        base = path[: -len(".weight")] if path.endswith(".weight") else path
+        base = module_path(path)
         spec = QuantSpec.from_dict(quant[base]) if isinstance(quant.get(base), dict) else None
         shape = tuple(int(x) for x in reversed(t.shape))
         raw = np.asarray(t.data)
@@ -176,7 +180,7 @@ def verify(model_dir: str | Path, gguf_path: str | Path,
             progress(i + 1, len(tensors), t.name)
     stored = {k.rsplit(".", 1)[0] if k.endswith((".scales", ".biases")) else k for k in weights}
     expected = {mlx_name(t.name) for t in tensors}
-    expected |= {p[: -len(".weight")] for p in expected if p.endswith(".weight")}
+    expected |= {module_path(p) for p in expected}
     extra = sorted(k for k in stored if k not in expected)
     report.mismatches += [f"{k}: stored in {model_dir} but not in the GGUF" for k in extra]
     return report
