@@ -38,7 +38,7 @@ def measure_ours(model_dir: str, n: int, chunk: int) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_dgemma.api import load
+    from mlx_dgemma.loader import load
     from mlx_dgemma.memory import estimate_prefill
 
     model, _ = load(model_dir)
@@ -103,7 +103,7 @@ def sample_ours(model_dir: str, depth: int, n: int, chunk: int) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_dgemma.api import load
+    from mlx_dgemma.loader import load
 
     model, _ = load(model_dir)
     a = model.args

@@ -178,7 +178,7 @@ def plan_types(cfg: ModelArgs, plan: str | dict[str, T]) -> dict[str, T]:
 
 def tiny_tokenizer_metadata(vocab_size: int) -> dict:
     """A small gemma4-style BPE vocabulary with the Gemma 4 special tokens at their ids."""
-    from mlx_dgemma.tokenizer_data import synthetic_gemma4_vocab  # noqa: PLC0415
+    from .tokenizer_data import synthetic_gemma4_vocab  # noqa: PLC0415
 
     return synthetic_gemma4_vocab(vocab_size)
 

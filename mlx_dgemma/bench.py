@@ -222,7 +222,7 @@ def measure_ours(model_dir: str, prompt_len: int, warmup: int, steps: int, sc_to
                  dtype: str | None = None) -> dict:
     """Decoder pass alone (eager), and the whole step (decoder + sampler + stop rule) eager and
     compiled. The compiled whole step is the headline figure (it is what generation runs)."""
-    from .api import load
+    from .loader import load
     from .sampler import SamplerParams
     from .step import StepFunction
 
@@ -338,7 +338,7 @@ def measure_hf(gguf: Path, prompt_len: int, warmup: int, steps: int) -> dict:
 def breakdown(model_dir: Path, prompt_len: int, steps: int, precision: str = "exact",
               dtype: str | None = None) -> dict[str, float]:
     """Seconds of each part of a step, each timed alone with the step's shapes."""
-    from .api import load
+    from .loader import load
     from .sampler import sample_step
 
     model, _ = load(model_dir, precision=precision, dtype=dtype)
@@ -378,7 +378,7 @@ def quality(model_dir: Path, prompt_len: int, dtype: str | None = None, prompts:
     """fast vs exact on the same weights and inputs: per-step logit error and top-1 agreement
     (step 1 without and a step with self-conditioning), and over whole generations with the
     same seed, the share of blocks where both commit the same tokens."""
-    from .api import load
+    from .loader import load
 
     exact, tok = load(model_dir, precision="exact")
     fast, _ = load(model_dir, precision="fast", dtype=dtype)
@@ -433,7 +433,7 @@ def block_agreement(exact, fast, tokenizer, prompts: int = 3, gen_steps: int = 1
 
 def moe_alternatives(model_dir: Path, steps: int) -> dict[str, float]:
     """One layer's experts on a canvas of tokens: sorted gather_qmm (ours), unsorted, per-expert."""
-    from .api import load
+    from .loader import load
     from .model import _gelu
 
     model, _ = load(model_dir, precision="exact")
@@ -479,7 +479,7 @@ def moe_alternatives(model_dir: Path, steps: int) -> dict[str, float]:
 
 
 def sc_top_k_study(model_dir: Path, prompt_len: int, steps: int, ks=(64, 16)) -> list[dict]:
-    from .api import load
+    from .loader import load
 
     model, _ = load(model_dir, precision="exact")
     a = model.args

@@ -114,7 +114,7 @@ def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precis
     if not model:
         raise ParameterError("--model: not given; pass a converted directory or a .gguf file "
                              "(or --demo for the built-in demo model)")
-    from .api import load
+    from .loader import load
 
     bar = ProgressBar("loading", unit="tensors", scale=1)
     return load(model, precision=prec, progress=lambda i, n, name: bar.update(i, n, name))

@@ -73,7 +73,7 @@ def train_vocab(texts: list[str]) -> dict:
     """GGUF tokenizer metadata: a BPE trained on ``texts`` in the gemma4 layout."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-    from mlx_dgemma.tokenizer_data import BYTE, CONTROL, NORMAL, SPECIALS, UNKNOWN, UNUSED
+    from mlx_dgemma.convert.tokenizer_data import BYTE, CONTROL, NORMAL, SPECIALS, UNKNOWN, UNUSED
 
     n_pieces = SHAPE["vocab_size"] - N_RESERVED - N_BYTES
     tok = Tokenizer(models.BPE())
@@ -457,7 +457,7 @@ def export(args: argparse.Namespace) -> None:
 def evaluate(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
-    from mlx_dgemma.api import load
+    from mlx_dgemma.loader import load
     from mlx_dgemma.generation import DoneEvent, StepEvent, stream_generate
 
     model, tok = load(DATA_DIR / GGUF_NAME, dtype=mx.float32)

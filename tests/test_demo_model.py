@@ -17,7 +17,7 @@ from mlx_dgemma.convert.names import expected_tensors
 from mlx_dgemma.demo import demo_file, load_demo, trained_demo_path
 from mlx_dgemma.errors import ParameterError
 from mlx_dgemma.generation import ChatSession, DoneEvent, StepEvent
-from mlx_dgemma.tokenizer_data import SPECIALS
+from mlx_dgemma.convert.tokenizer_data import SPECIALS
 
 HEADER = Path(__file__).resolve().parents[2] / "shared" / "reference" / \
     "diffusiongemma-26b-a4b-it-q4_k_m.header.json"

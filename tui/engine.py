@@ -47,7 +47,7 @@ class ModelBackend:
             progress("loading the demo model")
             model, tok = load_demo(precision=prec)
         else:
-            from mlx_dgemma.api import load
+            from mlx_dgemma.loader import load
 
             model, tok = load(self.model_path, precision=prec,
                               progress=lambda i, n, name: progress(f"loading {i}/{n} {name}"))
