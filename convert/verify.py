@@ -24,7 +24,7 @@ from mlx_dgemma.schema import ModelArgs, QuantSpec, unpad_subblocks
 from mlx_dgemma.validate import check_model_dir, check_safetensors, model_dir_shards
 from .errors import ConvertError
 from .metadata import ARCH
-from .names import mlx_name, module_path
+from .names import mlx_name, module_path, stored_names
 from .source import GGUFSource
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "U32": np.uint32, "BF16": np.uint16,
@@ -142,9 +142,7 @@ def _compare(config: dict, weights: dict[str, np.ndarray], source: GGUFSource, m
             if spec is None:
                 ours = weights[path].reshape(rows, width)
             else:
-                w = weights[f"{base}.weight"].reshape(rows, -1)
-                s = weights[f"{base}.scales"].reshape(rows, -1)
-                b = weights[f"{base}.biases"].reshape(rows, -1)
+                w, s, b = (weights[n].reshape(rows, -1) for n in stored_names(path, quantized=True))
         except KeyError as e:
             report.mismatches.append(f"{t.name}: {e.args[0]} missing from {model_dir}")
             continue
