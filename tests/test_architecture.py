@@ -111,6 +111,20 @@ def test_core_imports_neither_tui_nor_convert_beyond_the_known_exceptions():
     assert not bad, "the core reaches into convert/tui (see docs/architecture.md):\n" + "\n".join(bad)
 
 
+def test_the_core_takes_only_the_convert_packages_exported_names():
+    # `from mlx_dgemma.convert import X`: X must be in convert/__init__.py's __all__ (GGUFSource...)
+    tree = ast.parse((ROOT / "convert" / "__init__.py").read_text())
+    exported = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets))
+    assert "GGUFSource" in exported
+    taken = [(f, name, line) for f, m, name, line in _all_imports()
+             if f.count("/") == 1 and f.startswith("mlx_dgemma/") and m == "mlx_dgemma.convert" and name]
+    assert taken, "the scan should see loader.py's import of GGUFSource"
+    bad = [f"{f}:{line} imports mlx_dgemma.convert.{name}, not in its __all__" for f, name, line in taken
+           if name not in exported]
+    assert not bad, "\n".join(bad)
+
+
 def test_convert_and_tui_use_the_cores_public_names_only():
     bad = []
     for f, m, name, line in _all_imports():
