@@ -10,40 +10,31 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import resource
 import shutil
-import stat
 import struct
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 import numpy as np
 from gguf import GGUFReader
 
+from mlx_dgemma.errors import terminate_as_interrupt
 from mlx_dgemma.paths import user_path
+from mlx_dgemma.schema import QuantSpec
+from mlx_dgemma.validate import check_tokenizer_data
 
 from .errors import ConvertError
-from mlx_dgemma.errors import NonFiniteError, terminate_as_interrupt
-from mlx_dgemma.validate import check_gguf_metadata, check_tokenizer_data, scan_gguf
-from .metadata import (ARCH, TextConfig, array_len, field_kinds, field_value, generation_config,
-                       partial_rotary_factor, read_metadata)
-from .names import mlx_name
-from .tensors import Converted, check_inventory, convert_tensor
+from .metadata import ARCH
+from .source import GGUFSource, Progress, check_input_file
+from .tensors import Converted
 from .writer import ShardWriter, finalize_shard_names, header_reserve, write_index
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
-FORMAT_VERSION = 1
 TOKENIZER_FILE = "tokenizer_gguf.json"
-_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-                     "tokenizer.ggml.merges")
-
-Progress = Callable[[int, int, int, int, str], None]
 
 
 @dataclass
@@ -101,26 +92,6 @@ class ConvertReport:
                 "max_abs_error": self.max_abs_error}
 
 
-def open_gguf(path: Path, architecture: str | None = ARCH) -> GGUFReader:
-    """Open a GGUF memory-mapped, turning reader failures into one-line errors. A file of
-    another ``architecture`` is refused from its first metadata key, before the (slow) full
-    parse; ``architecture=None`` opens any GGUF."""
-    path = user_path(path)
-    check_input_file(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ConvertError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
-                           "download the .gguf model file itself")
-    # bounded pre-scan: counts checked against the file size before gguf-py allocates from them
-    scan_gguf(path, error=ConvertError, expect_arch=architecture)
-    try:
-        return GGUFReader(path, "r")
-    except (ValueError, IndexError, OSError, struct.error, UnicodeDecodeError) as e:
-        raise ConvertError(f"{path}: cannot read the GGUF header or tensor table ({e}); the file is "
-                           "truncated or corrupt, download it again") from e
-
-
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
 
 
@@ -158,51 +129,6 @@ def peek_architecture(path: Path, max_keys: int = 64) -> str | None:
     return None
 
 
-def model_metadata(reader: GGUFReader, source: str) -> tuple[dict, TextConfig]:
-    """Metadata dict and text config, with the RoPE split read from ``rope_freqs``."""
-    md = read_metadata(reader)
-    check_gguf_metadata(md, field_kinds(reader), source)
-    vocab = array_len(reader, "tokenizer.ggml.tokens")
-    if vocab is None:
-        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-        if embd is None:
-            raise ConvertError(f"{source}: no tokenizer.ggml.tokens and no token_embd.weight; "
-                               "cannot tell the vocabulary size")
-        vocab = int(embd.shape[1])
-    rope = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    factor = partial_rotary_factor(np.asarray(rope.data), source) if rope is not None else 0.25
-    cfg = TextConfig.from_metadata(md, vocab, source=source, partial_rotary_factor=factor)
-    check_inventory(reader, cfg, source)
-    return md, cfg
-
-
-def model_config(md: dict, cfg: TextConfig, specs: dict, compact: bool, source: str) -> dict:
-    """config.json: a diffusion_gemma config plus a per-tensor ``quantization`` section."""
-    bits = Counter(s["bits"] for s in specs.values()).most_common(1)
-    quant = {"group_size": 32, "bits": bits[0][0] if bits else 4, "mode": "affine", **specs}
-    return {
-        "model_type": "diffusion_gemma",
-        "architectures": ["DiffusionGemmaForBlockDiffusion"],
-        "canvas_length": int(md.get("diffusion.canvas_length", 256)),
-        "mask_token_id": int(md.get("tokenizer.ggml.mask_token_id", 4)),
-        "tie_word_embeddings": True,
-        "text_config": cfg.to_dict(),
-        "quantization": quant,
-        "mlx_dgemma": {"format_version": FORMAT_VERSION, "weights": "compact" if compact else "exact",
-                       "source": Path(source).name, "ggml_file_type": md.get("general.file_type"),
-                       "general.name": md.get("general.name")},
-    }
-
-
-def tokenizer_payload(reader: GGUFReader) -> dict:
-    """Everything the tokenizer needs, as stored in the GGUF (raw, so it rebuilds exactly)."""
-    out = {}
-    for k in reader.fields:
-        if k.startswith("tokenizer.") and k != "tokenizer.chat_template":
-            out[k] = field_value(reader, k, full=k in _TOKENIZER_ARRAYS)
-    return out
-
-
 def _estimate_output_bytes(reader: GGUFReader) -> int:
     """Upper bound: padded sub-blocks double the width; float32 scales add 2 bits per weight."""
     total = 0
@@ -212,14 +138,14 @@ def _estimate_output_bytes(reader: GGUFReader) -> int:
     return total
 
 
-def _write_side_files(tmp: Path, md: dict, cfg_json: dict, reader: GGUFReader, source: str = "GGUF") -> None:
-    tok = tokenizer_payload(reader)
-    check_tokenizer_data(tok, f"{source}: tokenizer.ggml.*", cfg_json["text_config"]["vocab_size"])
+def _write_side_files(tmp: Path, source: GGUFSource, cfg_json: dict) -> None:
+    tok = source.tokenizer
+    check_tokenizer_data(tok, f"{source.path}: tokenizer.ggml.*", cfg_json["text_config"]["vocab_size"])
     (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
-    (tmp / "generation_config.json").write_text(json.dumps(generation_config(md), indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(json.dumps(source.generation_config, indent=2) + "\n")
     (tmp / TOKENIZER_FILE).write_text(json.dumps(tok, ensure_ascii=False))
-    if "tokenizer.chat_template" in reader.fields:
-        (tmp / "chat_template.jinja").write_text(str(field_value(reader, "tokenizer.chat_template")))
+    if source.chat_template is not None:
+        (tmp / "chat_template.jinja").write_text(source.chat_template)
 
 
 def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False, force: bool = False,
@@ -236,25 +162,22 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False
     check_input_file(src)
     parent = _check_output(src, out, force)
     remove_stale_partials(parent, out.name)
-    reader = open_gguf(src, ARCH)
-    md, cfg = model_metadata(reader, str(src))
-    need = _estimate_output_bytes(reader)
+    source = GGUFSource(src, ARCH)
+    need = _estimate_output_bytes(source.reader)
     tmp = parent / f"{_tmp_prefix(out.name)}.partial-{os.getpid()}"
     report = ConvertReport(src, out, compact, input_bytes=src.stat().st_size)
     created = [p for p in (parent, *parent.parents) if not p.exists()]  # like mkdir -p; undone on failure
     try:
-        with open(src, "rb") as f, terminate_as_interrupt():
-            before = os.fstat(f.fileno())
+        with source, terminate_as_interrupt():
             parent.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()
             free = shutil.disk_usage(parent).free
             if free < need:
                 raise ConvertError(f"{parent}: not enough disk space ({free / 1e9:.2f} GB free, the output "
                                    f"needs up to {need / 1e9:.2f} GB); free some space or choose another disk")
-            specs = _write_shards(reader, tmp, compact, max_shard_bytes, progress, report,
-                                  TensorSource(f, src, before))
-            _write_side_files(tmp, md, model_config(md, cfg, specs, compact, str(src)), reader, str(src))
-            _check_unchanged(f, src, before)
+            specs = _write_shards(source, tmp, compact, max_shard_bytes, progress, report)
+            _write_side_files(tmp, source, source.config(specs, compact))
+            source.check_unchanged()
             report.seconds = time.perf_counter() - t0
             report.output_bytes = sum(p.stat().st_size for p in tmp.iterdir())
             report.peak_rss_bytes = _peak_rss()
@@ -284,24 +207,6 @@ def _remove_empty(dirs: list[Path]) -> None:
 
 
 REPORT_FILE = "conversion_report.json"
-
-
-def check_input_file(src: Path) -> None:
-    """The input must be a readable regular file (not a directory, FIFO, device or link loop)."""
-    try:
-        st = src.stat()
-    except FileNotFoundError:
-        raise ConvertError(f"{src}: no such file; give the path of a DiffusionGemma .gguf file") from None
-    except OSError as e:  # symlink loops, permissions, names too long
-        raise ConvertError(f"{src}: cannot open the input ({e.strerror or e}); give the path of a "
-                           "DiffusionGemma .gguf file") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise ConvertError(f"{src}: is a directory, not a .gguf file; give the model file itself")
-    if not stat.S_ISREG(st.st_mode):
-        raise ConvertError(f"{src}: is not a regular file (a FIFO, socket or device); give a .gguf file "
-                           "saved on disk")
-    if not os.access(src, os.R_OK):
-        raise ConvertError(f"{src}: not readable (permission denied); fix its permissions")
 
 
 def _is_within(path: Path, root: Path) -> bool:
@@ -393,49 +298,6 @@ def remove_stale_partials(parent: Path, name: str) -> list[Path]:
     return removed
 
 
-@dataclass
-class TensorSource:
-    """Reads tensor bytes with ``read`` instead of through the memory map: a file cut short by
-    another process then gives a short read (an error) instead of SIGBUS."""
-
-    file: Any
-    path: Path
-    stat: os.stat_result
-
-    def read(self, t) -> "_ReadTensor":
-        n, off = int(t.n_bytes), int(t.data_offset)
-        buf = np.empty(n, dtype=np.uint8)
-        view, got = memoryview(buf), 0
-        self.file.seek(off)
-        while got < n:
-            k = self.file.readinto(view[got:])
-            if not k:
-                raise ConvertError(f"{self.path}: the file changed during conversion (tensor {t.name!r} "
-                                   f"ends at byte {off + n}, the file now has {os.fstat(self.file.fileno()).st_size}); "
-                                   "nothing was kept, convert again once the file is complete")
-            got += k
-        like = t.data
-        return _ReadTensor(t.name, t.shape, t.tensor_type, t.n_bytes, t.data_offset,
-                           buf.view(like.dtype).reshape(like.shape))
-
-
-@dataclass
-class _ReadTensor:
-    name: str
-    shape: Any
-    tensor_type: Any
-    n_bytes: int
-    data_offset: int
-    data: np.ndarray
-
-
-def _check_unchanged(f, src: Path, before: os.stat_result) -> None:
-    now = os.fstat(f.fileno())
-    if (now.st_size, now.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
-        raise ConvertError(f"{src}: the file changed during conversion (size {before.st_size} -> "
-                           f"{now.st_size}); nothing was kept, convert again once the file is complete")
-
-
 def _swap_into_place(tmp: Path, out: Path) -> None:
     if out.exists():  # --force (checked: our own output): keep it until the new one is complete
         trash = out.parent / f"{_tmp_prefix(out.name)}.old-{os.getpid()}"
@@ -451,23 +313,15 @@ def _peak_rss() -> int:
     return r if sys.platform == "darwin" else r * 1024
 
 
-def _write_shards(reader: GGUFReader, tmp: Path, compact: bool, max_shard_bytes: int,
-                  progress: Progress | None, report: ConvertReport, source: "TensorSource | None" = None) -> dict:
-    tensors = list(reader.tensors)
-    total_bytes = sum(int(t.n_bytes) for t in tensors)
-    names = [n for t in tensors for n in _planned_names(t)]
-    reserve = header_reserve(names)
+def _write_shards(source: GGUFSource, tmp: Path, compact: bool, max_shard_bytes: int,
+                  progress: Progress | None, report: ConvertReport) -> dict[str, QuantSpec]:
+    reserve = header_reserve(source.stored_names())
     files: list[Path] = []
     weight_map: dict[str, str] = {}
-    specs: dict[str, dict] = {}
+    specs: dict[str, QuantSpec] = {}
     shard: ShardWriter | None = None
-    done = 0
     try:
-        for i, t in enumerate(tensors):
-            try:
-                c = convert_tensor(source.read(t) if source is not None else t, compact=compact)
-            except NonFiniteError as e:
-                raise NonFiniteError(f"{source.path if source else 'GGUF'}: {e}") from None
+        for c in source.tensors(compact=compact, progress=progress):
             if shard is None or (shard.offset and shard.offset + c.nbytes > max_shard_bytes):
                 if shard is not None:
                     shard.close()
@@ -478,12 +332,7 @@ def _write_shards(reader: GGUFReader, tmp: Path, compact: bool, max_shard_bytes:
                 weight_map[name] = shard.path.name
             _account(report, c)
             if c.spec is not None:
-                specs[mlx_name(t.name)[: -len(".weight")]] = c.spec.to_dict()
-            done += int(t.n_bytes)
-            release_pages(reader, t)
-            if progress:
-                progress(done, total_bytes, i + 1, len(tensors), t.name)
-            del c
+                specs[c.module] = c.spec
         if shard is not None:
             shard.close()
             shard = None
@@ -493,30 +342,6 @@ def _write_shards(reader: GGUFReader, tmp: Path, compact: bool, max_shard_bytes:
     finalize_shard_names(tmp, files, weight_map)
     write_index(tmp, weight_map, sum((tmp / f).stat().st_size for f in set(weight_map.values())))
     return specs
-
-
-def release_pages(reader: GGUFReader, t) -> None:
-    """Drop a converted tensor's pages from the memory map, so the resident set stays at about
-    one tensor instead of growing with everything read (the pages are file-backed: dropping
-    them costs nothing but a re-read if touched again)."""
-    mm = getattr(reader.data, "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    page = mmap.PAGESIZE
-    start = (int(t.data_offset) // page) * page
-    end = int(t.data_offset) + int(t.n_bytes)
-    try:
-        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-    except (OSError, ValueError):  # best effort: some platforms refuse it on shared maps
-        pass
-
-
-def _planned_names(t) -> list[str]:
-    path = mlx_name(t.name)
-    if t.tensor_type.name in ("F32", "F16", "BF16"):
-        return [path]
-    base = path[: -len(".weight")]
-    return [f"{base}.weight", f"{base}.scales", f"{base}.biases"]
 
 
 def _account(report: ConvertReport, c: Converted) -> None:

@@ -1,29 +1,19 @@
-"""GGUF metadata -> a ``diffusion_gemma`` text config and generation defaults."""
+"""GGUF metadata -> the model's shape (``mlx_dgemma.schema.ModelArgs``) and generation defaults."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
+from mlx_dgemma.schema import ModelArgs, generation_defaults
+
 from .errors import ConvertError
 
 ARCH = "diffusion-gemma"
 
-# HF generation_diffusion_gemma.py defaults; GGUF `diffusion.eb_*` keys override them.
-GENERATION_DEFAULTS: dict[str, Any] = {
-    "max_denoising_steps": 48,
-    "t_min": 0.4,
-    "t_max": 0.8,
-    "entropy_bound": 0.1,
-    "stability_threshold": 1,
-    "confidence_threshold": 0.005,
-    "eos_token_id": [1, 106, 50],
-    "pad_token_id": 0,
-    "max_new_tokens": 256,
-}
+# GGUF keys overriding the sampler defaults (mlx_dgemma.schema.SamplerDefaults).
 _GGUF_GENERATION_KEYS = {
     "diffusion.eb_max_steps": ("max_denoising_steps", int),
     "diffusion.eb_t_min": ("t_min", float),
@@ -78,103 +68,69 @@ def array_len(reader: GGUFReader, key: str) -> int | None:
     return None if f is None else len(f.data)
 
 
-@dataclass
-class TextConfig:
-    """The text config of a DiffusionGemma model, named as transformers names it."""
+def args_from_metadata(md: dict[str, Any], vocab_size: int, source: str = "GGUF",
+                       partial_rotary_factor: float = 0.25) -> ModelArgs:
+    """The model's shape from GGUF metadata (keys as in the published header)."""
+    arch = md.get("general.architecture")
+    if arch != ARCH:
+        raise ConvertError(f"{source}: general.architecture is {arch!r}, expected {ARCH!r}; "
+                           "this tool converts DiffusionGemma GGUF files only")
 
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    num_global_key_value_heads: int
-    head_dim: int
-    global_head_dim: int
-    layer_types: list[str]
-    sliding_window: int
-    rope_parameters: dict[str, dict[str, Any]]
-    rms_norm_eps: float
-    vocab_size: int
-    num_experts: int
-    top_k_experts: int
-    moe_intermediate_size: int
-    final_logit_softcapping: float
-    max_position_embeddings: int
-    hidden_activation: str = "gelu_pytorch_tanh"
-    tie_word_embeddings: bool = True
-    pad_token_id: int = 0
-    bos_token_id: int = 2
-    eos_token_id: int = 1
-    model_type: str = "diffusion_gemma_text"
-    extra: dict[str, Any] = field(default_factory=dict)
+    def get(key: str, default: Any = None) -> Any:
+        full = f"{ARCH}.{key}"
+        if full in md:
+            return md[full]
+        if default is None:
+            raise ConvertError(f"{source}: metadata key {full!r} is missing; "
+                               "the file is not a complete DiffusionGemma GGUF")
+        return default
 
-    @classmethod
-    def from_metadata(cls, md: dict[str, Any], vocab_size: int, source: str = "GGUF",
-                      partial_rotary_factor: float = 0.25) -> "TextConfig":
-        """Build from GGUF metadata (keys as in the published header)."""
-        arch = md.get("general.architecture")
-        if arch != ARCH:
-            raise ConvertError(f"{source}: general.architecture is {arch!r}, expected {ARCH!r}; "
-                               "this tool converts DiffusionGemma GGUF files only")
-
-        def get(key: str, default: Any = None) -> Any:
-            full = f"{ARCH}.{key}"
-            if full in md:
-                return md[full]
-            if default is None:
-                raise ConvertError(f"{source}: metadata key {full!r} is missing; "
-                                   "the file is not a complete DiffusionGemma GGUF")
-            return default
-
-        n_layers = int(get("block_count"))
-        pattern = get("attention.sliding_window_pattern")
-        if not isinstance(pattern, list) or len(pattern) != n_layers:
-            raise ConvertError(f"{source}: {ARCH}.attention.sliding_window_pattern must list "
-                               f"{n_layers} booleans (one per layer)")
-        kv = get("attention.head_count_kv")
-        kv = kv if isinstance(kv, list) else [kv] * n_layers
-        layer_types = ["sliding_attention" if s else "full_attention" for s in pattern]
-        sliding_kv = {k for k, s in zip(kv, pattern) if s}
-        global_kv = {k for k, s in zip(kv, pattern) if not s}
-        if len(sliding_kv) > 1 or len(global_kv) > 1:
-            raise ConvertError(f"{source}: {ARCH}.attention.head_count_kv varies within a layer "
-                               f"type ({kv}); expected one value for sliding and one for global layers")
-        n_kv = sliding_kv.pop() if sliding_kv else global_kv.copy().pop()
-        n_kv_global = global_kv.pop() if global_kv else n_kv
-        return cls(
-            hidden_size=int(get("embedding_length")),
-            intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=n_layers,
-            num_attention_heads=int(get("attention.head_count")),
-            num_key_value_heads=int(n_kv),
-            num_global_key_value_heads=int(n_kv_global),
-            head_dim=int(get("attention.key_length_swa")),
-            global_head_dim=int(get("attention.key_length")),
-            layer_types=layer_types,
-            sliding_window=int(get("attention.sliding_window")),
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default",
-                                      "rope_theta": float(get("rope.freq_base_swa"))},
-                "full_attention": {"rope_type": "proportional",
-                                   "partial_rotary_factor": partial_rotary_factor,
-                                   "rope_theta": float(get("rope.freq_base"))},
-            },
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            vocab_size=int(vocab_size),
-            num_experts=int(get("expert_count")),
-            top_k_experts=int(get("expert_used_count")),
-            moe_intermediate_size=int(get("expert_feed_forward_length")),
-            final_logit_softcapping=float(get("final_logit_softcapping", 30.0)),
-            max_position_embeddings=int(get("context_length")),
-            pad_token_id=int(md.get("tokenizer.ggml.padding_token_id", 0)),
-            bos_token_id=int(md.get("tokenizer.ggml.bos_token_id", 2)),
-            eos_token_id=int(md.get("tokenizer.ggml.eos_token_id", 1)),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(d.pop("extra"))
-        return d
+    n_layers = int(get("block_count"))
+    pattern = get("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != n_layers:
+        raise ConvertError(f"{source}: {ARCH}.attention.sliding_window_pattern must list "
+                           f"{n_layers} booleans (one per layer)")
+    kv = get("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * n_layers
+    layer_types = ["sliding_attention" if s else "full_attention" for s in pattern]
+    sliding_kv = {k for k, s in zip(kv, pattern) if s}
+    global_kv = {k for k, s in zip(kv, pattern) if not s}
+    if len(sliding_kv) > 1 or len(global_kv) > 1:
+        raise ConvertError(f"{source}: {ARCH}.attention.head_count_kv varies within a layer "
+                           f"type ({kv}); expected one value for sliding and one for global layers")
+    n_kv = sliding_kv.pop() if sliding_kv else global_kv.copy().pop()
+    n_kv_global = global_kv.pop() if global_kv else n_kv
+    return ModelArgs(
+        hidden_size=int(get("embedding_length")),
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=n_layers,
+        num_attention_heads=int(get("attention.head_count")),
+        num_key_value_heads=int(n_kv),
+        num_global_key_value_heads=int(n_kv_global),
+        head_dim=int(get("attention.key_length_swa")),
+        global_head_dim=int(get("attention.key_length")),
+        layer_types=layer_types,
+        sliding_window=int(get("attention.sliding_window")),
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": float(get("rope.freq_base_swa"))},
+            "full_attention": {"rope_type": "proportional",
+                               "partial_rotary_factor": partial_rotary_factor,
+                               "rope_theta": float(get("rope.freq_base"))},
+        },
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        vocab_size=int(vocab_size),
+        num_experts=int(get("expert_count")),
+        top_k_experts=int(get("expert_used_count")),
+        moe_intermediate_size=int(get("expert_feed_forward_length")),
+        final_logit_softcapping=float(get("final_logit_softcapping", 30.0)),
+        max_position_embeddings=int(get("context_length")),
+        pad_token_id=int(md.get("tokenizer.ggml.padding_token_id", 0)),
+        bos_token_id=int(md.get("tokenizer.ggml.bos_token_id", 2)),
+        eos_token_id=int(md.get("tokenizer.ggml.eos_token_id", 1)),
+        canvas_length=int(md.get("diffusion.canvas_length", 256)),
+        mask_token_id=int(md.get("tokenizer.ggml.mask_token_id", 4)),
+    )
 
 
 def partial_rotary_factor(rope_freqs: np.ndarray, source: str) -> float:
@@ -193,7 +149,7 @@ def partial_rotary_factor(rope_freqs: np.ndarray, source: str) -> float:
 
 def generation_config(md: dict[str, Any]) -> dict[str, Any]:
     """Sampler defaults, overridden by the GGUF's optional ``diffusion.eb_*`` keys."""
-    cfg = dict(GENERATION_DEFAULTS)
+    cfg = generation_defaults()
     for key, (name, kind) in _GGUF_GENERATION_KEYS.items():
         if key in md:
             cfg[name] = kind(md[key])

@@ -1,7 +1,8 @@
 """GGUF tensor names, the MLX parameter tree they map to, and the expected inventory.
 
 One declarative map with ``{i}`` templates drives conversion, verification and the error
-messages for unknown or missing tensors.
+messages for unknown or missing tensors; :func:`module_path` and :func:`stored_names` are
+the one place the names of quantized arrays and their ``quantization`` keys come from.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as T
 
-from .metadata import TextConfig
+from mlx_dgemma.schema import ModelArgs
 
 # GGUF name -> MLX parameter path (quantized tensors also get .scales/.biases next to .weight).
 NAME_MAP: dict[str, str] = {
@@ -62,6 +63,25 @@ def mlx_name(gguf_name: str) -> str | None:
     return None
 
 
+# A quantized weight is stored as three arrays named after its module.
+QUANTIZED_PARTS = ("weight", "scales", "biases")
+
+
+def module_path(path: str) -> str:
+    """The module an MLX parameter belongs to ('layers.0.mlp.up_proj.weight' ->
+    'layers.0.mlp.up_proj'): a quantized weight's arrays are named after it, and it is the
+    weight's key in config.json's ``quantization`` section."""
+    return path[: -len(".weight")] if path.endswith(".weight") else path
+
+
+def stored_names(path: str, quantized: bool) -> list[str]:
+    """The array names an MLX parameter is stored under: itself, or its module's
+    ``.weight``/``.scales``/``.biases`` when quantized."""
+    if not quantized:
+        return [path]
+    return [f"{module_path(path)}.{part}" for part in QUANTIZED_PARTS]
+
+
 @dataclass(frozen=True)
 class Expected:
     """One tensor the model needs: GGUF name, GGUF ``ne`` shape (fastest axis first)."""
@@ -72,7 +92,7 @@ class Expected:
     matrix: bool
 
 
-def expected_tensors(cfg: TextConfig) -> list[Expected]:
+def expected_tensors(cfg: ModelArgs) -> list[Expected]:
     """Every tensor a DiffusionGemma GGUF must hold, derived from its metadata."""
     H, V, FF = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
     E, EF = cfg.num_experts, cfg.moe_intermediate_size

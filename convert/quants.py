@@ -14,7 +14,7 @@ is rewritten into that form *without changing a single dequantized value*:
 Types with 16-element sub-blocks (Q2_K, Q3_K, Q6_K) cannot be one MLX group (the smallest
 group is 32). They use the *padded* layout: each 16-element sub-block becomes a 32-element
 group whose last 16 entries are padding (q = 0) that multiplies zeros inserted into the
-input (see :mod:`mlx_dgemma.quantized`). The padding doubles the stored row width.
+input (see :func:`mlx_dgemma.schema.pad_subblocks`). The padding doubles the stored row width.
 
 Each class splits a block's bytes in struct order (the field order of ggml's ``block_*``
 structs), mirroring gguf-py's dequantizers so a reader can check one against the other.
@@ -29,6 +29,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K as _GGUF_Q4_K
+
+from mlx_dgemma.schema import pad_subblocks, unpad_subblocks  # the layout both sides share
 
 QK_K = 256
 
@@ -289,15 +291,6 @@ def unpack_bits(w: np.ndarray, bits: int) -> np.ndarray:
     return (b.astype(np.uint32) << np.arange(bits, dtype=np.uint32)).sum(-1).astype(np.uint8)
 
 
-def pad_subblocks(x: np.ndarray, subblock: int) -> np.ndarray:
-    """[..., n] -> [..., 2n]: each ``subblock`` run followed by the same number of zeros."""
-    if subblock == 32:
-        return x
-    lead, n = x.shape[:-1], x.shape[-1]
-    x = x.reshape(*lead, n // subblock, 1, subblock)
-    return np.concatenate([x, np.zeros_like(x)], axis=-2).reshape(*lead, 2 * n)
-
-
 def narrowest_exact_dtype(*arrays: np.ndarray, chunk: int = 1 << 20) -> type:
     """float16 when every value survives a float16 round trip, else float32 (checked in
     slices, so no full-size temporaries)."""
@@ -346,11 +339,3 @@ def dequantize_affine(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray
     w = q * scales.astype(np.float32)[..., None] + biases.astype(np.float32)[..., None]
     w = w.reshape(*lead, -1)
     return unpad_subblocks(w, subblock)
-
-
-def unpad_subblocks(w, subblock: int):
-    """Inverse of :func:`pad_subblocks` along the last axis (NumPy or MLX arrays)."""
-    if subblock == 32:
-        return w
-    lead, n = w.shape[:-1], w.shape[-1]
-    return w.reshape(*lead, n // (2 * subblock), 2, subblock)[..., 0, :].reshape(*lead, n // 2)

@@ -18,7 +18,9 @@ from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
-from .metadata import ARCH, TextConfig
+from mlx_dgemma.schema import ModelArgs
+
+from .metadata import ARCH, args_from_metadata
 from .names import expected_tensors, q4_k_m_types
 
 # Byte offsets of the float16 (d, dmin-or-m) fields in each block, and the multiplier of
@@ -57,9 +59,8 @@ class TinySpec:
     softcap: float = 30.0
     extra_metadata: dict = field(default_factory=dict)
 
-    def text_config(self) -> TextConfig:
-        return TextConfig.from_metadata(self.metadata(), self.vocab_size,
-                                        partial_rotary_factor=self.partial_rotary)
+    def text_config(self) -> ModelArgs:
+        return args_from_metadata(self.metadata(), self.vocab_size, partial_rotary_factor=self.partial_rotary)
 
     def metadata(self) -> dict:
         pattern = [i not in self.global_layers for i in range(self.num_layers)]
@@ -144,7 +145,7 @@ def _kind(name: str) -> str:
     return ".".join(parts[:-1])
 
 
-def plan_types(cfg: TextConfig, plan: str | dict[str, T]) -> dict[str, T]:
+def plan_types(cfg: ModelArgs, plan: str | dict[str, T]) -> dict[str, T]:
     """Per-tensor ggml types: 'q4_k_m' (llama.cpp's recipe), 'f32', 'f16', 'all' (cycle every
     supported quantized type over the matrices) or an explicit {name: type} map."""
     exp = expected_tensors(cfg)
@@ -177,7 +178,7 @@ def plan_types(cfg: TextConfig, plan: str | dict[str, T]) -> dict[str, T]:
 
 def tiny_tokenizer_metadata(vocab_size: int) -> dict:
     """A small gemma4-style BPE vocabulary with the Gemma 4 special tokens at their ids."""
-    from mlx_dgemma.tokenizer_data import synthetic_gemma4_vocab  # noqa: PLC0415
+    from .tokenizer_data import synthetic_gemma4_vocab  # noqa: PLC0415
 
     return synthetic_gemma4_vocab(vocab_size)
 

@@ -10,9 +10,9 @@ from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from mlx_dgemma.errors import NonFiniteError
+from mlx_dgemma.schema import ModelArgs, QuantSpec
 from .errors import ConvertError
-from .names import expected_tensors, mlx_name
-from .metadata import TextConfig
+from .names import expected_tensors, mlx_name, module_path, stored_names
 from .quants import (FLOAT_TYPES, FORMATS, SUPPORTED_TYPES, dequantize_affine, narrowest_exact_dtype,
                      pack_bits, repack_rows)
 
@@ -20,26 +20,12 @@ from .quants import (FLOAT_TYPES, FORMATS, SUPPORTED_TYPES, dequantize_affine, n
 _CHUNK_BYTES = 8 << 20
 
 
-@dataclass(frozen=True)
-class QuantSpec:
-    """How one weight is stored: MLX affine parameters plus where it came from."""
-
-    bits: int
-    group_size: int
-    scale_dtype: str  # "float16" | "float32"
-    subblock: int  # 32, or 16 for padded sub-blocks
-    ggml_type: str
-
-    def to_dict(self) -> dict:
-        return {"bits": self.bits, "group_size": self.group_size, "scale_dtype": self.scale_dtype,
-                "subblock": self.subblock, "ggml_type": self.ggml_type}
-
-
 @dataclass
 class Converted:
-    """One GGUF tensor as MLX arrays: {path: array}, plus its quantization spec and error."""
+    """One GGUF tensor as MLX arrays: {MLX name: array}, plus its quantization spec and error."""
 
     gguf_name: str
+    module: str  # MLX module path: the key of ``spec`` in config.json's quantization section
     ggml_type: str
     arrays: dict[str, np.ndarray]
     spec: QuantSpec | None
@@ -63,7 +49,7 @@ def _mlx_shape(t) -> tuple[int, ...]:
     return tuple(int(x) for x in reversed(t.shape))
 
 
-def check_inventory(reader: GGUFReader, cfg: TextConfig, source: str) -> None:
+def check_inventory(reader: GGUFReader, cfg: ModelArgs, source: str) -> None:
     """Every tensor known, present, with the expected shape and a supported type."""
     expected = {e.name: e for e in expected_tensors(cfg)}
     present = {t.name: t for t in reader.tensors}
@@ -121,12 +107,11 @@ def convert_tensor(t, compact: bool = False) -> Converted:
         else:
             arrays = {path: np.ascontiguousarray(raw, dtype=FLOAT_TYPES[qtype]).reshape(shape)}
             _check_finite(t.name, np.isfinite(arrays[path]))
-        return Converted(t.name, qtype.name, arrays, None, n_el, int(t.n_bytes))
+        return Converted(t.name, module_path(path), qtype.name, arrays, None, n_el, int(t.n_bytes))
 
     fmt = FORMATS[qtype]
     rows, width = _rows(t)
     raw2 = raw.reshape(rows, -1)
-    base = path[: -len(".weight")]
     requant = compact and fmt.subblock == 16 and fmt.bits > 4
     bits = 8 if requant else fmt.bits
     subblock = 32 if requant else fmt.subblock
@@ -160,13 +145,10 @@ def convert_tensor(t, compact: bool = False) -> Converted:
     else:
         scale_dtype = narrowest_exact_dtype(s_out, b_out)
     lead = shape[:-1]
-    arrays = {
-        f"{base}.weight": w_out.reshape(*lead, -1),
-        f"{base}.scales": s_out.astype(scale_dtype, copy=False).reshape(*lead, -1),
-        f"{base}.biases": b_out.astype(scale_dtype, copy=False).reshape(*lead, -1),
-    }
+    parts = (w_out, s_out.astype(scale_dtype, copy=False), b_out.astype(scale_dtype, copy=False))
+    arrays = {name: a.reshape(*lead, -1) for name, a in zip(stored_names(path, quantized=True), parts)}
     spec = QuantSpec(bits, 32, np.dtype(scale_dtype).name, subblock, qtype.name)
-    return Converted(t.name, qtype.name, arrays, spec, n_el, int(t.n_bytes), err)
+    return Converted(t.name, module_path(path), qtype.name, arrays, spec, n_el, int(t.n_bytes), err)
 
 
 def _check_finite(name: str, finite: np.ndarray, what: str = "values") -> None:

@@ -20,12 +20,12 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from mlx_dgemma.paths import user_path
 
+from mlx_dgemma.schema import ModelArgs, QuantSpec, unpad_subblocks
 from mlx_dgemma.validate import check_model_dir, check_safetensors, model_dir_shards
-from .converter import model_metadata, open_gguf
 from .errors import ConvertError
-from .metadata import ARCH, TextConfig
-from .names import mlx_name
-from .quants import unpad_subblocks
+from .metadata import ARCH
+from .names import mlx_name, module_path, stored_names
+from .source import GGUFSource
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "U32": np.uint32, "BF16": np.uint16,
               "U8": np.uint8, "I32": np.int32}
@@ -67,7 +67,7 @@ _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_att
                "vocab_size", "num_experts", "top_k_experts", "moe_intermediate_size", "layer_types")
 
 
-def check_same_model(config: dict, gguf_cfg: TextConfig, model_dir: Path, gguf_path: Path) -> None:
+def check_same_model(config: dict, gguf_cfg: ModelArgs, model_dir: Path, gguf_path: Path) -> None:
     """The directory was converted from a model of this GGUF's architecture and shapes."""
     ours, theirs = config.get("text_config", {}), gguf_cfg.to_dict()
     for k in _SHAPE_KEYS:
@@ -106,31 +106,34 @@ def _recorded_bounds(model_dir: Path) -> dict[str, float]:
     return {k: float(v) for k, v in rec.items() if isinstance(v, (int, float))} if isinstance(rec, dict) else {}
 
 
-def _mlx_dequant(w: np.ndarray, s: np.ndarray, b: np.ndarray, spec: dict) -> np.ndarray:
+def _mlx_dequant(w: np.ndarray, s: np.ndarray, b: np.ndarray, spec: QuantSpec) -> np.ndarray:
     out = mx.dequantize(mx.array(np.ascontiguousarray(w)), mx.array(np.asarray(s, np.float32)),
-                        mx.array(np.asarray(b, np.float32)), group_size=spec["group_size"],
-                        bits=spec["bits"])
-    return unpad_subblocks(np.array(out), spec["subblock"])
+                        mx.array(np.asarray(b, np.float32)), group_size=spec.group_size, bits=spec.bits)
+    return unpad_subblocks(np.array(out), spec.subblock)
 
 
 def verify(model_dir: str | Path, gguf_path: str | Path,
            progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
     """Compare every tensor of ``model_dir`` with the GGUF it was converted from."""
     config, weights = open_model_dir(user_path(model_dir))
-    reader = open_gguf(user_path(gguf_path), ARCH)
-    _, gguf_cfg = model_metadata(reader, str(gguf_path))  # architecture, tensor names and shapes first
-    check_same_model(config, gguf_cfg, user_path(model_dir), user_path(gguf_path))
+    with GGUFSource(gguf_path, ARCH) as source:  # architecture, tensor names and shapes first
+        check_same_model(config, source.args, user_path(model_dir), source.path)
+        return _compare(config, weights, source, model_dir, progress)
+
+
+def _compare(config: dict, weights: dict[str, np.ndarray], source: GGUFSource, model_dir: str | Path,
+             progress: Callable[[int, int, str], None] | None) -> VerifyReport:
     quant = config.get("quantization", {})
     report = VerifyReport(compact=(config.get("mlx_dgemma") or {}).get("weights") == "compact")
     bounds = _recorded_bounds(user_path(model_dir)) if report.compact else {}
-    tensors = list(reader.tensors)
+    tensors = list(source.reader.tensors)
     for i, t in enumerate(tensors):
         path = mlx_name(t.name)
         if path is None:
             report.mismatches.append(f"{t.name}: not a DiffusionGemma tensor")
             continue
-        base = path[: -len(".weight")] if path.endswith(".weight") else path
-        spec = quant.get(base) if isinstance(quant.get(base), dict) else None
+        base = module_path(path)
+        spec = QuantSpec.from_dict(quant[base]) if isinstance(quant.get(base), dict) else None
         shape = tuple(int(x) for x in reversed(t.shape))
         raw = np.asarray(t.data)
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
@@ -139,9 +142,7 @@ def verify(model_dir: str | Path, gguf_path: str | Path,
             if spec is None:
                 ours = weights[path].reshape(rows, width)
             else:
-                w = weights[f"{base}.weight"].reshape(rows, -1)
-                s = weights[f"{base}.scales"].reshape(rows, -1)
-                b = weights[f"{base}.biases"].reshape(rows, -1)
+                w, s, b = (weights[n].reshape(rows, -1) for n in stored_names(path, quantized=True))
         except KeyError as e:
             report.mismatches.append(f"{t.name}: {e.args[0]} missing from {model_dir}")
             continue
@@ -177,7 +178,7 @@ def verify(model_dir: str | Path, gguf_path: str | Path,
             progress(i + 1, len(tensors), t.name)
     stored = {k.rsplit(".", 1)[0] if k.endswith((".scales", ".biases")) else k for k in weights}
     expected = {mlx_name(t.name) for t in tensors}
-    expected |= {p[: -len(".weight")] for p in expected if p.endswith(".weight")}
+    expected |= {module_path(p) for p in expected}
     extra = sorted(k for k in stored if k not in expected)
     report.mismatches += [f"{k}: stored in {model_dir} but not in the GGUF" for k in extra]
     return report

@@ -17,7 +17,7 @@ __all__ = ["load", "generate", "stream_generate", "ChatSession", *_EVENTS, "__ve
 def __getattr__(name: str):
     # Lazy: `import mlx_dgemma` stays cheap (the CLI's --help, the TUI's first paint).
     if name == "load":
-        from .api import load
+        from .loader import load
 
         return load
     if name in ("generate", "stream_generate", "ChatSession"):

@@ -17,12 +17,9 @@ bottom-right aligned ``"causal"`` mask is exact there and no mask array is built
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .model import ModelArgs
+from .schema import ModelArgs
 
 DEFAULT_BUCKET = 1024
 
@@ -139,7 +136,7 @@ def _banded(q_pos: mx.array, k_pos: mx.array, window: int) -> mx.array:
 class KVCache:
     """Per-layer caches plus the number of positions encoded so far."""
 
-    def __init__(self, args: "ModelArgs", bucket: int = DEFAULT_BUCKET):
+    def __init__(self, args: ModelArgs, bucket: int = DEFAULT_BUCKET):
         self.layers = [LayerCache(args.is_sliding(i), args.sliding_window, bucket)
                        for i in range(args.num_hidden_layers)]
         self.offset: int | mx.array = 0

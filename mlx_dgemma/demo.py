@@ -77,7 +77,7 @@ def demo_file(kind: str = "trained") -> Path:
 def load_demo(dtype: mx.Dtype | str | None = None, kind: str = "trained", precision: str = "auto"):
     """(model, tokenizer) of the demo model ``kind`` in runtime ``precision``; ``model.is_demo``
     is True and ``model.demo_kind`` names the kind."""
-    from .api import load
+    from .loader import load
 
     model, tokenizer = load(demo_file(kind), precision=precision, dtype=dtype)
     object.__setattr__(model, "is_demo", True)

@@ -1,7 +1,9 @@
-"""``load(path)``: a converted MLX directory, or a .gguf converted in memory."""
+"""``load(path)``, the one entry point from a path to (model, tokenizer): a converted MLX
+directory, or a .gguf converted in memory."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -9,10 +11,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .errors import ModelFilesError, NonFiniteError
+from .errors import ModelFilesError
 from .model import DiffusionGemma, ModelArgs
+from .paths import user_path
 from .precision import Precision, apply_precision, resolve_precision
 from .quantized import quantize_modules
+from .schema import QuantSpec
+from .tokenizer import Tokenizer
 from .validate import check_model_dir, model_dir_shards
 
 REQUIRED_FILES = ("config.json", "tokenizer_gguf.json")  # checked by validate.check_model_dir
@@ -52,41 +57,63 @@ def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[Diffusio
 
 def load_gguf(path: Path, precision: Precision | str = "exact", compact: bool = False,
               progress: Callable[[int, int, str], None] | None = None) -> tuple[DiffusionGemma, dict, dict]:
-    """Convert a GGUF in memory (same repack as ``convert``); returns model, config, tokenizer data."""
-    from .convert.converter import model_config, model_metadata, open_gguf, tokenizer_payload
-    from .convert.metadata import generation_config
-    from .convert.names import mlx_name
-    from .convert.tensors import BF16Payload, convert_tensor
+    """Convert a GGUF in memory (same repack as ``convert``); returns model, config and the side
+    data (``generation_config``, ``tokenizer``, and ``chat_template`` when the GGUF has one)."""
+    from mlx_dgemma.convert import BF16Payload, GGUFSource
 
-    reader = open_gguf(path)
-    md, cfg = model_metadata(reader, str(path))
-    specs: dict[str, dict] = {}
+    def report(done: int, total: int, i: int, n: int, name: str) -> None:
+        progress(i, n, name)
+
     weights: list[tuple[str, mx.array]] = []
-    tensors = list(reader.tensors)
-    for i, t in enumerate(tensors):
-        try:
-            c = convert_tensor(t, compact=compact)
-        except NonFiniteError as e:  # name the file too
-            raise NonFiniteError(f"{path}: {e}") from None
-        for name, a in c.arrays.items():
-            arr = mx.array(a.view(np.uint16)).view(mx.bfloat16) if isinstance(a, BF16Payload) else mx.array(a)
-            weights.append((name, arr))
-        if c.spec is not None:
-            specs[mlx_name(t.name)[: -len(".weight")]] = c.spec.to_dict()
-        if progress:
-            progress(i + 1, len(tensors), t.name)
-    config = model_config(md, cfg, specs, compact, str(path))
-    model = build_model(config)
-    _load_weights(model, weights, str(path))
-    weights.clear()
-    mx.eval(model.parameters())
-    apply_precision(model, resolve_precision(precision))
-    side = {"generation_config": generation_config(md), "tokenizer": tokenizer_payload(reader)}
-    if "tokenizer.chat_template" in reader.fields:
-        from .convert.metadata import field_value
-
-        side["chat_template"] = str(field_value(reader, "tokenizer.chat_template"))
+    specs: dict[str, QuantSpec] = {}
+    with GGUFSource(path) as source:
+        for c in source.tensors(compact=compact, progress=report if progress else None):
+            for name, a in c.arrays.items():
+                arr = mx.array(a.view(np.uint16)).view(mx.bfloat16) if isinstance(a, BF16Payload) else mx.array(a)
+                weights.append((name, arr))
+            if c.spec is not None:
+                specs[c.module] = c.spec
+        config = source.config(specs, compact)
+        model = build_model(config)
+        _load_weights(model, weights, str(path))
+        weights.clear()
+        mx.eval(model.parameters())
+        apply_precision(model, resolve_precision(precision))
+        side = {"generation_config": source.generation_config, "tokenizer": source.tokenizer}
+        if source.chat_template is not None:
+            side["chat_template"] = source.chat_template
     return model, config, side
+
+
+def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.Dtype | None = None,
+         compact: bool = False,
+         progress: Callable[[int, int, str], None] | None = None) -> tuple[DiffusionGemma, Tokenizer]:
+    """Load a converted directory, or convert a .gguf in memory (exact unless ``compact``).
+
+    ``precision`` is the runtime precision (``mlx_dgemma.precision``): "exact" (float32,
+    bit-exact weights), "fast" (the device's fast activation dtype, scales cast to it, padded
+    sub-block tensors re-quantized to 8 bits) or "auto" (= fast). ``dtype`` picks fast's
+    activation dtype (default: bfloat16 on a GPU, float32 on the CPU). Nothing on disk changes.
+    ``~`` and environment variables in ``path`` are expanded.
+    The model's generation defaults (generation_config.json or the GGUF's) are attached as
+    ``model.generation_config``; the resolved precision as ``model.precision``.
+    """
+    prec = resolve_precision(precision, dtype)
+    p = user_path(path)  # "~/models/dgemma" works as README writes it
+    if p.is_dir():
+        model, _ = load_dir(p, precision=prec)
+        tokenizer = Tokenizer.from_dir(p)
+        gen_file = p / "generation_config.json"
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    elif p.is_file():
+        model, _, side = load_gguf(p, precision=prec, compact=compact, progress=progress)
+        tokenizer = Tokenizer(side["tokenizer"], side.get("chat_template"))
+        gen = side["generation_config"]
+    else:
+        raise ModelFilesError(f"{p}: no such file or directory; give a .gguf file or a directory written "
+                              "by `mlx-dgemma convert`")
+    object.__setattr__(model, "generation_config", gen)  # a plain attribute, not a parameter
+    return model, tokenizer
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,6 +150,4 @@ def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: st
     if not model:
         raise ParameterError("--model: not given; pass a converted directory or a .gguf file "
                              "(or --demo for the built-in demo model)")
-    from mlx_dgemma.api import load
-
     return load(model, precision=prec, progress=progress)

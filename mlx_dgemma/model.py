@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +17,7 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from .cache import KVCache, LayerCache
 from .errors import ParameterError
 from .quantized import FloatEmbedding
+from .schema import ModelArgs
 
 # Token-expert pairs at or above this count are sorted by expert before gather_qmm.
 _SORT_THRESHOLD = 64
@@ -29,45 +28,6 @@ DEFAULT_PREFILL_CHUNK = 512
 # Upper bound on one attention call's float32 scores during prefill: longer contexts split
 # the chunk's queries so the global layer's working memory stays flat as the cache grows.
 ATTENTION_SCORES_BUDGET = 64 << 20
-
-
-@dataclass
-class ModelArgs:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    num_global_key_value_heads: int
-    head_dim: int
-    global_head_dim: int
-    layer_types: list[str]
-    sliding_window: int
-    rope_parameters: dict[str, dict[str, Any]]
-    vocab_size: int
-    num_experts: int
-    top_k_experts: int
-    moe_intermediate_size: int
-    rms_norm_eps: float = 1e-6
-    final_logit_softcapping: float = 30.0
-    canvas_length: int = 256
-    mask_token_id: int = 4
-    pad_token_id: int = 0
-    max_position_embeddings: int = 262144
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "ModelArgs":
-        """From a converted directory's config.json (``text_config`` plus canvas settings)."""
-        tc = dict(config.get("text_config", config))
-        names = set(cls.__dataclass_fields__) - {"extra"}
-        args = {k: tc[k] for k in names if k in tc}
-        args["canvas_length"] = int(config.get("canvas_length", 256))
-        args["mask_token_id"] = int(config.get("mask_token_id", 4))
-        return cls(**args, extra={k: v for k, v in tc.items() if k not in names})
-
-    def is_sliding(self, i: int) -> bool:
-        return self.layer_types[i] == "sliding_attention"
 
 
 def _gelu(x: mx.array) -> mx.array:

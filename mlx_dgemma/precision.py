@@ -102,7 +102,7 @@ def _requantize_unpadded(m: nn.Module, dtype: mx.Dtype) -> None:
     Works in slices along the leading axis (experts or rows), so the float32 copy that exists
     during the repack is a slice, not the whole tensor (the real embedding is 3 GB in float32).
     """
-    from .quantized import unpad_output
+    from .schema import unpad_subblocks
 
     w, s, b = m["weight"], m["scales"], m["biases"]
     lead = w.shape[0]
@@ -111,7 +111,7 @@ def _requantize_unpadded(m: nn.Module, dtype: mx.Dtype) -> None:
     for i in range(0, lead, step):
         full = mx.dequantize(w[i:i + step], s[i:i + step].astype(mx.float32), b[i:i + step].astype(mx.float32),
                              group_size=m.group_size, bits=m.bits)
-        q, qs, qb = mx.quantize(unpad_output(full, m.subblock), group_size=FAST_GROUP, bits=FAST_BITS)
+        q, qs, qb = mx.quantize(unpad_subblocks(full, m.subblock), group_size=FAST_GROUP, bits=FAST_BITS)
         qs, qb = qs.astype(dtype), qb.astype(dtype)
         mx.eval(q, qs, qb)
         parts.append((q, qs, qb))

@@ -3,7 +3,7 @@
 MLX's ``nn.QuantizedLinear``/``nn.QuantizedEmbedding`` and mlx-lm's ``QuantizedSwitchLinear``
 do the work; the subclasses add one thing: *padded sub-blocks*. ggml types with 16-element
 sub-blocks (Q2_K, Q3_K, Q6_K) are stored with each sub-block padded to a 32-element MLX
-group (see ``mlx_dgemma.convert.quants``). The stored matrix is twice as wide, and the input
+group (see ``mlx_dgemma.schema.pad_subblocks``). The stored matrix is twice as wide, and the input
 gets zeros at the padding positions, so the product is exactly the original weight's.
 Scales may be float32 (exact K-quant scales); outputs are cast back to the input dtype.
 """
@@ -16,23 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-
-def pad_input(x: mx.array, subblock: int) -> mx.array:
-    """[..., n] -> [..., 2n] with zeros after every ``subblock`` elements (16 -> padded)."""
-    if subblock == 32:
-        return x
-    *lead, n = x.shape
-    x = x.reshape(*lead, n // subblock, 1, subblock)  # [..., n/16, 1, 16]
-    x = mx.concatenate([x, mx.zeros_like(x)], axis=-2)  # [..., n/16, 2, 16]
-    return x.reshape(*lead, 2 * n)
-
-
-def unpad_output(w: mx.array, subblock: int) -> mx.array:
-    """Drop the padding columns of a dequantized padded matrix: [..., 2n] -> [..., n]."""
-    if subblock == 32:
-        return w
-    *lead, n = w.shape
-    return w.reshape(*lead, n // (2 * subblock), 2, subblock)[..., 0, :].reshape(*lead, n // 2)
+from .schema import QuantSpec, pad_subblocks, unpad_subblocks
 
 
 class GGUFQuantizedLinear(nn.QuantizedLinear):
@@ -45,7 +29,7 @@ class GGUFQuantizedLinear(nn.QuantizedLinear):
         self.subblock = subblock
 
     def __call__(self, x: mx.array) -> mx.array:
-        return super().__call__(pad_input(x, self.subblock)).astype(x.dtype)
+        return super().__call__(pad_subblocks(x, self.subblock)).astype(x.dtype)
 
 
 class GGUFQuantizedEmbedding(nn.QuantizedEmbedding):
@@ -65,17 +49,17 @@ class GGUFQuantizedEmbedding(nn.QuantizedEmbedding):
         if s.dtype != mx.float32:
             s, b = s.astype(mx.float32), b.astype(mx.float32)
         w = mx.dequantize(self["weight"][ids], s, b, group_size=self.group_size, bits=self.bits)
-        return unpad_output(w, self.subblock)
+        return unpad_subblocks(w, self.subblock)
 
     def as_linear(self, x: mx.array) -> mx.array:
         """x @ E^T: the tied output head."""
-        return super().as_linear(pad_input(x, self.subblock)).astype(x.dtype)
+        return super().as_linear(pad_subblocks(x, self.subblock)).astype(x.dtype)
 
     def soft_lookup(self, probs: mx.array) -> mx.array:
         """probs @ E straight from the quantized matrix (no dense copy of the embedding)."""
         out = mx.quantized_matmul(probs, self["weight"], self["scales"], self.get("biases"),
                                   transpose=False, group_size=self.group_size, bits=self.bits)
-        return unpad_output(out, self.subblock).astype(probs.dtype)
+        return unpad_subblocks(out, self.subblock).astype(probs.dtype)
 
 
 class FloatEmbedding(nn.Embedding):
@@ -98,12 +82,12 @@ class GGUFQuantizedSwitchLinear(QuantizedSwitchLinear):
         self.subblock = subblock
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return super().__call__(pad_input(x, self.subblock), indices,
+        return super().__call__(pad_subblocks(x, self.subblock), indices,
                                 sorted_indices=sorted_indices).astype(x.dtype)
 
 
-def _quantized_like(module: nn.Module, spec: dict[str, Any]) -> nn.Module:
-    bits, sub, gs = spec["bits"], spec.get("subblock", 32), spec.get("group_size", 32)
+def _quantized_like(module: nn.Module, spec: QuantSpec) -> nn.Module:
+    bits, sub, gs = spec.bits, spec.subblock, spec.group_size
     if isinstance(module, nn.Embedding):
         n, d = module.weight.shape
         return GGUFQuantizedEmbedding(n, d, bits, sub, gs)
@@ -118,7 +102,7 @@ def _quantized_like(module: nn.Module, spec: dict[str, Any]) -> nn.Module:
 
 def quantize_modules(model: nn.Module, quantization: dict[str, Any]) -> None:
     """Replace each module named in ``quantization`` (config.json) by its quantized form."""
-    specs = {k: v for k, v in quantization.items() if isinstance(v, dict)}
+    specs = {k: QuantSpec.from_dict(v) for k, v in quantization.items() if isinstance(v, dict)}
     replacements = []
     for path, module in model.named_modules():
         if path in specs:

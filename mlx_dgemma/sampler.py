@@ -9,22 +9,15 @@ from typing import Any
 import mlx.core as mx
 
 from .errors import ParameterError
+from .schema import SamplerDefaults
 from .validate import check_generation_field as check_field
 
 
 @dataclass(frozen=True)
-class SamplerParams:
-    """Generation parameters (generation_config.json, overridable per call)."""
+class SamplerParams(SamplerDefaults):
+    """Generation parameters (generation_config.json, overridable per call): the reference
+    defaults (:class:`mlx_dgemma.schema.SamplerDefaults`) plus the run's own settings."""
 
-    max_denoising_steps: int = 48
-    t_min: float = 0.4
-    t_max: float = 0.8
-    entropy_bound: float = 0.1
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005
-    max_new_tokens: int = 256
-    eos_token_id: tuple[int, ...] = (1, 106, 50)
-    pad_token_id: int = 0
     seed: int | None = None
     sc_top_k: int | None = None  # sparse self-conditioning (None = exact)
 

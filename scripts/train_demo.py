@@ -73,7 +73,7 @@ def train_vocab(texts: list[str]) -> dict:
     """GGUF tokenizer metadata: a BPE trained on ``texts`` in the gemma4 layout."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-    from mlx_dgemma.tokenizer_data import BYTE, CONTROL, NORMAL, SPECIALS, UNKNOWN, UNUSED
+    from mlx_dgemma.convert.tokenizer_data import BYTE, CONTROL, NORMAL, SPECIALS, UNKNOWN, UNUSED
 
     n_pieces = SHAPE["vocab_size"] - N_RESERVED - N_BYTES
     tok = Tokenizer(models.BPE())
@@ -380,7 +380,8 @@ def export(args: argparse.Namespace) -> None:
     from gguf.quants import quantize
 
     from mlx_dgemma.chat import DEFAULT_TEMPLATE
-    from mlx_dgemma.convert.metadata import ARCH, TextConfig
+    from mlx_dgemma.convert.metadata import ARCH
+    from mlx_dgemma.schema import ModelArgs
     from mlx_dgemma.convert.names import expected_tensors, mlx_name
     from mlx_dgemma.convert.synthetic import _add_kv
     from mlx_dgemma.bench.peers import hf_names
@@ -388,7 +389,7 @@ def export(args: argparse.Namespace) -> None:
     cfg = json.loads((BUILD / "config.json").read_text())
     state = torch.load(BUILD / "ckpt.pt", map_location="cpu")["state"]
     vocab = json.loads((BUILD / "tokenizer.json").read_text())
-    tc = TextConfig(**{k: v for k, v in cfg["text_config"].items() if k in TextConfig.__dataclass_fields__})
+    tc = ModelArgs(**{k: v for k, v in cfg["text_config"].items() if k in ModelArgs.__dataclass_fields__})
     s = SHAPE
     pattern = [i not in s["global_layers"] for i in range(s["num_layers"])]
     p = ARCH + "."
@@ -456,7 +457,7 @@ def export(args: argparse.Namespace) -> None:
 def evaluate(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
-    from mlx_dgemma.api import load
+    from mlx_dgemma.loader import load
     from mlx_dgemma.generation import DoneEvent, StepEvent, stream_generate
 
     model, tok = load(DATA_DIR / GGUF_NAME, dtype=mx.float32)

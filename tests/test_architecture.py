@@ -30,16 +30,13 @@ def test_fakes_and_generation_share_the_event_classes():
 
 
 # The dependency rule, read from the source with `ast` (nothing is imported): the core
-# (mlx_dgemma/*.py) imports neither mlx_dgemma.tui nor mlx_dgemma.convert; convert/ and tui/
+# (mlx_dgemma/*.py) imports neither mlx_dgemma.tui nor mlx_dgemma.convert's modules; convert/ and tui/
 # reach the core only by public names of public modules and absolute imports, and not each other.
 # Today's exceptions, each (core file, module it imports); docs/architecture.md says why.
 # A new exception fails the test: move the code, or argue for it here and in the doc.
 KNOWN_CORE_EXCEPTIONS = {
-    # load_gguf converts a .gguf in memory with the converter's pieces (issue 11: a GGUF source object).
-    ("mlx_dgemma/loader.py", "mlx_dgemma.convert.converter"),
-    ("mlx_dgemma/loader.py", "mlx_dgemma.convert.metadata"),
-    ("mlx_dgemma/loader.py", "mlx_dgemma.convert.names"),
-    ("mlx_dgemma/loader.py", "mlx_dgemma.convert.tensors"),
+    # load_gguf turns a GGUFSource into MLX arrays: the convert package's public names only.
+    ("mlx_dgemma/loader.py", "mlx_dgemma.convert"),
     # The CLI front end runs the converter, the verifier and the chat app.
     ("mlx_dgemma/cli.py", "mlx_dgemma.convert.converter"),
     ("mlx_dgemma/cli.py", "mlx_dgemma.convert.verify"),
@@ -81,10 +78,16 @@ def _imports(package: str, folder: str) -> list[tuple[str, str, str, int]]:
                     module = node.module
                 for a in node.names:
                     out.append((rel, module, a.name, node.lineno))
-                    # `from pkg import submodule`: the submodule is imported too.
-                    if module in PACKAGES:
+                    # `from pkg import submodule`: the submodule is imported too (a public name
+                    # of the package itself, `from mlx_dgemma.convert import GGUFSource`, is not).
+                    if module in PACKAGES and _is_module(module, a.name):
                         out.append((rel, f"{module}.{a.name}", "", node.lineno))
     return out
+
+
+def _is_module(package: str, name: str) -> bool:
+    folder = ROOT / PACKAGES[package]
+    return (folder / f"{name}.py").is_file() or (folder / name / "__init__.py").is_file()
 
 
 def _all_imports() -> list[tuple[str, str, str, int]]:
@@ -98,7 +101,9 @@ def _under(module: str, package: str) -> bool:
 def test_the_import_scan_sees_relative_and_lazy_imports():
     # The scan itself: a known lazy relative import of the core and a known absolute one of tui.
     found = {(f, m) for f, m, _, _ in _all_imports()}
-    assert ("mlx_dgemma/loader.py", "mlx_dgemma.convert.converter") in found  # lazy, relative
+    assert ("mlx_dgemma/loader.py", "mlx_dgemma.convert") in found  # lazy
+    assert ("mlx_dgemma/loader.py", "mlx_dgemma.convert.source") not in found  # a public name, not the module
+    assert ("mlx_dgemma/__init__.py", "mlx_dgemma.loader") in found  # lazy, relative
     assert ("tui/screens/chat.py", "mlx_dgemma.tui.engine") in found  # `from ..engine import`
     assert ("tui/screens/chat.py", "mlx_dgemma.events") in found
     assert ("mlx_dgemma/bench/peers.py", "mlx_dgemma.convert.names") in found  # lazy, absolute
@@ -129,6 +134,20 @@ def test_the_benchmark_uses_public_members_only():
                     and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
                 bad.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: .{node.attr}")
     assert not bad, "private members reached into:\n" + "\n".join(bad)
+
+
+def test_the_core_takes_only_the_convert_packages_exported_names():
+    # `from mlx_dgemma.convert import X`: X must be in convert/__init__.py's __all__ (GGUFSource...)
+    tree = ast.parse((ROOT / "convert" / "__init__.py").read_text())
+    exported = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets))
+    assert "GGUFSource" in exported
+    taken = [(f, name, line) for f, m, name, line in _all_imports()
+             if f.count("/") == 1 and f.startswith("mlx_dgemma/") and m == "mlx_dgemma.convert" and name]
+    assert taken, "the scan should see loader.py's import of GGUFSource"
+    bad = [f"{f}:{line} imports mlx_dgemma.convert.{name}, not in its __all__" for f, name, line in taken
+           if name not in exported]
+    assert not bad, "\n".join(bad)
 
 
 def test_convert_tui_and_bench_use_the_cores_public_names_only():

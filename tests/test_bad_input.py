@@ -7,7 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from mlx_dgemma.cli import main
-from mlx_dgemma.convert import converter, writer
+from mlx_dgemma.convert import converter, source, writer
 from mlx_dgemma.convert.errors import ConvertError
 from mlx_dgemma.convert.synthetic import TinySpec, with_overrides, write_tiny_gguf
 
@@ -147,7 +147,7 @@ def test_disk_full_while_writing(work, capsys, tiny_gguf, monkeypatch):
 
 
 def test_interrupted_conversion_leaves_nothing(work, tiny_gguf, monkeypatch):
-    real = converter.convert_tensor
+    real = source.convert_tensor
     calls = {"n": 0}
 
     def convert_tensor(t, compact=False):
@@ -156,7 +156,7 @@ def test_interrupted_conversion_leaves_nothing(work, tiny_gguf, monkeypatch):
             raise KeyboardInterrupt
         return real(t, compact=compact)
 
-    monkeypatch.setattr(converter, "convert_tensor", convert_tensor)
+    monkeypatch.setattr(source, "convert_tensor", convert_tensor)
     assert main(["convert", str(tiny_gguf), str(work / "out" / "m")]) == 130
     assert_clean(work / "out")
 

@@ -12,12 +12,12 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
-from mlx_dgemma.convert.metadata import TextConfig, read_metadata
+from mlx_dgemma.convert.metadata import args_from_metadata, read_metadata
 from mlx_dgemma.convert.names import expected_tensors
 from mlx_dgemma.demo import demo_file, load_demo, trained_demo_path
 from mlx_dgemma.errors import ParameterError
 from mlx_dgemma.generation import ChatSession, DoneEvent, StepEvent
-from mlx_dgemma.tokenizer_data import SPECIALS
+from mlx_dgemma.convert.tokenizer_data import SPECIALS
 
 HEADER = Path(__file__).resolve().parents[2] / "shared" / "reference" / \
     "diffusiongemma-26b-a4b-it-q4_k_m.header.json"
@@ -50,7 +50,7 @@ def test_file_has_the_published_metadata_keys_and_inventory(reader):
     if HEADER.is_file():
         published = set(json.loads(HEADER.read_text())["metadata"])
         assert published <= set(md), sorted(published - set(md))
-    cfg = TextConfig.from_metadata(md, vocab_size=len(md["tokenizer.ggml.tokens"]))
+    cfg = args_from_metadata(md, vocab_size=len(md["tokenizer.ggml.tokens"]))
     assert "full_attention" in cfg.layer_types and "sliding_attention" in cfg.layer_types
     names = [t.name for t in reader.tensors]
     assert sorted(names) == sorted(e.name for e in expected_tensors(cfg))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mlx_dgemma.cli import main
-from mlx_dgemma.convert import converter
+from mlx_dgemma.convert import source
 
 
 def run(capsys, *args) -> tuple[int, str]:
@@ -116,7 +116,7 @@ def test_stale_partial_of_a_dead_process_is_removed(src, tmp_path, capsys):
 
 
 def test_input_truncated_during_conversion(src, tmp_path, capsys, monkeypatch):
-    real = converter.convert_tensor
+    real = source.convert_tensor
     calls = {"n": 0}
 
     def convert_tensor(t, compact=False):
@@ -125,7 +125,7 @@ def test_input_truncated_during_conversion(src, tmp_path, capsys, monkeypatch):
             os.truncate(src, src.stat().st_size // 2)
         return real(t, compact=compact)
 
-    monkeypatch.setattr(converter, "convert_tensor", convert_tensor)
+    monkeypatch.setattr(source, "convert_tensor", convert_tensor)
     code, line = run(capsys, src, tmp_path / "m")
     assert code == 2 and str(src) in line and "changed" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]
@@ -133,12 +133,12 @@ def test_input_truncated_during_conversion(src, tmp_path, capsys, monkeypatch):
 
 _SLOW_CONVERT = """
 import sys, time
-from mlx_dgemma.convert import converter
-real = converter.convert_tensor
+from mlx_dgemma.convert import source
+real = source.convert_tensor
 def slow(t, compact=False):
     time.sleep(0.05)
     return real(t, compact=compact)
-converter.convert_tensor = slow
+source.convert_tensor = slow
 from mlx_dgemma.cli import main
 sys.exit(main(sys.argv[1:]))
 """

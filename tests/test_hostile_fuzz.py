@@ -210,7 +210,7 @@ def _metadata_keys():
 
 def run_metadata_case(key, value, capsys):
     from mlx_dgemma.convert.synthetic import TinySpec, write_tiny_gguf
-    from mlx_dgemma.tokenizer_data import synthetic_gemma4_vocab
+    from mlx_dgemma.convert.tokenizer_data import synthetic_gemma4_vocab
 
     class BrokenSpec(TinySpec):
         def text_config(self):

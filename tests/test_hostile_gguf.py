@@ -70,7 +70,7 @@ def test_bad_metadata_value(work, capsys, key, value, expect):
     if key == "tokenizer.chat_template":
         write_tiny_gguf(src, TinySpec(), chat_template=value)
     elif key.startswith("tokenizer."):
-        from mlx_dgemma.tokenizer_data import synthetic_gemma4_vocab
+        from mlx_dgemma.convert.tokenizer_data import synthetic_gemma4_vocab
 
         tok = synthetic_gemma4_vocab(512)
         tok[key] = value
@@ -83,7 +83,7 @@ def test_bad_metadata_value(work, capsys, key, value, expect):
 
 @pytest.mark.parametrize("what", ["no tokens", "bad merges"])
 def test_bad_tokenizer(work, capsys, what):
-    from mlx_dgemma.tokenizer_data import synthetic_gemma4_vocab
+    from mlx_dgemma.convert.tokenizer_data import synthetic_gemma4_vocab
 
     tok = synthetic_gemma4_vocab(512)
     if what == "no tokens":

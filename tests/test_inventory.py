@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_dgemma.convert.metadata import TextConfig, generation_config
+from mlx_dgemma.convert.metadata import args_from_metadata, generation_config
 from mlx_dgemma.convert.names import NAME_MAP, expected_tensors, mlx_name, q4_k_m_types
 
 # The published file's header, kept in the repository (source: tests/data/README.md).
@@ -20,7 +20,7 @@ def header():
 
 def test_inventory_matches_published_header(header):
     md = header["metadata"]
-    cfg = TextConfig.from_metadata(md, vocab_size=262144)
+    cfg = args_from_metadata(md, vocab_size=262144)
     exp = expected_tensors(cfg)
     types = q4_k_m_types(exp)
     ours = [(e.name, list(e.ne), types[e.name].name) for e in exp]
@@ -30,7 +30,7 @@ def test_inventory_matches_published_header(header):
 
 
 def test_config_from_published_metadata(header):
-    cfg = TextConfig.from_metadata(header["metadata"], vocab_size=262144)
+    cfg = args_from_metadata(header["metadata"], vocab_size=262144)
     assert cfg.layer_types.count("full_attention") == 5
     assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17, 23, 29]
     assert (cfg.head_dim, cfg.global_head_dim) == (256, 512)

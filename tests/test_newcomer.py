@@ -126,7 +126,7 @@ def test_generate_demo_says_what_it_is_and_writes_no_control_bytes(tmp_path, mon
 def test_wrong_architecture_is_rejected_from_the_first_keys(tmp_path, monkeypatch):
     """The architecture key comes first in a GGUF: a wrong file is refused before the full
     parse (the 262k-entry tokenizer arrays take gguf-py tens of seconds on a real file)."""
-    from mlx_dgemma.convert import converter
+    from mlx_dgemma.convert import source
     from mlx_dgemma.convert.converter import peek_architecture
     from mlx_dgemma.convert.errors import ConvertError
 
@@ -140,9 +140,9 @@ def test_wrong_architecture_is_rejected_from_the_first_keys(tmp_path, monkeypatc
     def no_full_parse(*a, **k):
         raise AssertionError("the whole GGUF was parsed")
 
-    monkeypatch.setattr(converter, "GGUFReader", no_full_parse)
+    monkeypatch.setattr(source, "GGUFReader", no_full_parse)
     with pytest.raises(ConvertError, match="general.architecture is 'gemma3"):
-        converter.open_gguf(other)
+        source.open_gguf(other)
 
 
 def test_bench_reports_a_missing_peer_once_with_how_to_install(tmp_path, monkeypatch, capsys):

@@ -13,13 +13,13 @@ from mlx_dgemma.loader import open_model
 @pytest.fixture
 def no_loading(monkeypatch):
     """Loading anything fails the test: the checks must come first."""
-    import mlx_dgemma.api
+    import mlx_dgemma.loader
     import mlx_dgemma.demo
 
     def refuse(*a, **kw):
         raise AssertionError("loaded before the arguments were checked")
 
-    monkeypatch.setattr(mlx_dgemma.api, "load", refuse)
+    monkeypatch.setattr(mlx_dgemma.loader, "load", refuse)
     monkeypatch.setattr(mlx_dgemma.demo, "load_demo", refuse)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_dgemma.convert.converter import open_gguf, tokenizer_payload
+from mlx_dgemma.convert.source import open_gguf, tokenizer_payload
 from mlx_dgemma.tokenizer import Tokenizer
 
 gguf_tok = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping",

@@ -274,7 +274,7 @@ async def test_real_tiny_model_in_the_app(tiny_model_dir):
 
 
 def test_core_never_imports_textual():
-    code = ("import sys, mlx_dgemma, mlx_dgemma.api, mlx_dgemma.model, mlx_dgemma.generation, mlx_dgemma.trace, "
+    code = ("import sys, mlx_dgemma, mlx_dgemma.loader, mlx_dgemma.model, mlx_dgemma.generation, mlx_dgemma.trace, "
             "mlx_dgemma.cli, mlx_dgemma.server, mlx_dgemma.convert.converter, mlx_dgemma.convert.verify; "
             "from mlx_dgemma import load, generate, stream_generate; "
             "assert not [m for m in sys.modules if m.split('.')[0] == 'textual'], 'textual imported'")

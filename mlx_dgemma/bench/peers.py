@@ -52,10 +52,11 @@ def dequantized_tensors(gguf_path: Path) -> Iterator[tuple[str, np.ndarray]]:
 
 def text_config(gguf_path: Path) -> tuple[dict, int]:
     """The GGUF's text config as the converter reads it (HF field names) and its canvas length."""
-    from mlx_dgemma.convert.converter import model_metadata, open_gguf
+    from mlx_dgemma.convert import GGUFSource
 
-    md, cfg = model_metadata(open_gguf(gguf_path), str(gguf_path))
-    text = cfg.to_dict()
+    with GGUFSource(gguf_path) as src:
+        text = src.args.to_dict()
+        md = src.metadata
     text.pop("model_type", None)
     return text, int(md.get("diffusion.canvas_length", 256))
 
