@@ -147,12 +147,21 @@ def partial_rotary_factor(rope_freqs: np.ndarray, source: str) -> float:
     return rotated / f.size
 
 
+def _shortest(v: Any) -> float:
+    """A float32 GGUF value as the decimal its writer meant (0.05, not 0.05000000074505806): the
+    shortest decimal that rounds to the same float32, so the sampler's float32 arithmetic is
+    unchanged and settings and JSON show what the file says. Wider values are kept as they are."""
+    v = float(v)
+    f32 = np.float32(v)
+    return float(str(f32)) if np.isfinite(f32) and float(f32) == v else v
+
+
 def generation_config(md: dict[str, Any]) -> dict[str, Any]:
     """Sampler defaults, overridden by the GGUF's optional ``diffusion.eb_*`` keys."""
     cfg = generation_defaults()
     for key, (name, kind) in _GGUF_GENERATION_KEYS.items():
         if key in md:
-            cfg[name] = kind(md[key])
+            cfg[name] = _shortest(md[key]) if kind is float else kind(md[key])
     cfg["bos_token_id"] = int(md.get("tokenizer.ggml.bos_token_id", 2))
     cfg["mask_token_id"] = int(md.get("tokenizer.ggml.mask_token_id", 4))
     return cfg

@@ -73,3 +73,17 @@ def test_padding_is_the_same_for_numpy_and_mlx(subblock):
         assert np.all(p_np.reshape(3, 2, 4, 2, 16)[..., 1, :] == 0)  # zeros after every sub-block
     assert np.array_equal(unpad_subblocks(p_np, subblock), x)
     assert np.array_equal(np.array(unpad_subblocks(p_mx, subblock)), x)
+
+
+def test_float32_sampler_keys_read_as_written():
+    """A GGUF stores diffusion.eb_t_min = 0.05 as float32; the settings dialog and JSON should
+    show 0.05 (not 0.05000000074505806) while the sampler's float32 value stays the same."""
+    import numpy as np
+
+    from mlx_dgemma.convert.metadata import generation_config
+
+    stored = {"diffusion.eb_t_min": float(np.float32(0.05)), "diffusion.eb_t_max": float(np.float32(0.3)),
+              "diffusion.eb_entropy_bound": 1 / 3}  # the last one not a float32 value: kept as is
+    cfg = generation_config(stored)
+    assert (cfg["t_min"], cfg["t_max"], cfg["entropy_bound"]) == (0.05, 0.3, 1 / 3)
+    assert np.float32(cfg["t_min"]) == np.float32(stored["diffusion.eb_t_min"])
