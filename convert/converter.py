@@ -11,10 +11,8 @@ from __future__ import annotations
 import errno
 import json
 import os
-import resource
 import shutil
 import struct
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ import numpy as np
 from gguf import GGUFReader
 
 from mlx_dgemma.errors import terminate_as_interrupt
+from mlx_dgemma.memory import peak_rss_bytes
 from mlx_dgemma.paths import user_path
 from mlx_dgemma.schema import QuantSpec
 from mlx_dgemma.validate import check_tokenizer_data
@@ -180,7 +179,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False
             source.check_unchanged()
             report.seconds = time.perf_counter() - t0
             report.output_bytes = sum(p.stat().st_size for p in tmp.iterdir())
-            report.peak_rss_bytes = _peak_rss()
+            report.peak_rss_bytes = peak_rss_bytes()
             (tmp / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
             _swap_into_place(tmp, out)
     except OSError as e:
@@ -306,11 +305,6 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, out)
-
-
-def _peak_rss() -> int:
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024
 
 
 def _write_shards(source: GGUFSource, tmp: Path, compact: bool, max_shard_bytes: int,
