@@ -12,7 +12,6 @@ import errno
 import json
 import os
 import shutil
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,43 +88,6 @@ class ConvertReport:
                 "by_type": {t: {"tensors": s.tensors, "elements": s.elements, "gguf_bpw": s.gguf_bpw,
                                 "mlx_bpw": s.mlx_bpw} for t, s in sorted(self.by_type.items())},
                 "max_abs_error": self.max_abs_error}
-
-
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
-
-
-def peek_architecture(path: Path, max_keys: int = 64) -> str | None:
-    """``general.architecture`` read from the first metadata keys (where writers put it), in
-    microseconds; None if it is not among them, or the header is unusual (the full parse decides)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
-        off = 4 + 4 + 8 + 8  # magic, version, tensor count, key-value count
-        (n_kv,) = struct.unpack_from("<Q", head, 16)
-        for _ in range(min(n_kv, max_keys)):
-            (klen,) = struct.unpack_from("<Q", head, off)
-            key = head[off + 8: off + 8 + klen].decode("utf-8")
-            off += 8 + klen
-            (vtype,) = struct.unpack_from("<I", head, off)
-            off += 4
-            if vtype == 8:  # string
-                (slen,) = struct.unpack_from("<Q", head, off)
-                value = head[off + 8: off + 8 + slen]
-                if key == "general.architecture":
-                    return value.decode("utf-8")
-                off += 8 + slen
-            elif vtype in _SCALAR_SIZES:
-                off += _SCALAR_SIZES[vtype]
-            elif vtype == 9:  # array: skip fixed-size items only; strings mean the long arrays began
-                itype, count = struct.unpack_from("<IQ", head, off)
-                if itype not in _SCALAR_SIZES:
-                    return None
-                off += 12 + count * _SCALAR_SIZES[itype]
-            else:
-                return None
-    except (struct.error, UnicodeDecodeError, OSError):
-        return None
-    return None
 
 
 def _estimate_output_bytes(reader: GGUFReader) -> int:

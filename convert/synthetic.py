@@ -9,7 +9,7 @@ tiny models with unit norm weights amplify float32 rounding hundreds of times.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -249,7 +249,3 @@ def _add_kv(w: GGUFWriter, key: str, value) -> None:
         w.add_array(key, list(value))
     else:  # pragma: no cover
         raise TypeError(f"unsupported metadata value for {key}: {type(value)}")
-
-
-def with_overrides(spec: TinySpec, **kw) -> TinySpec:
-    return replace(spec, **kw)

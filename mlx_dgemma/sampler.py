@@ -120,22 +120,6 @@ def initial_history(k: int, shape: tuple[int, ...]) -> mx.array:
     return mx.full((max(1, k), *shape), -1, dtype=mx.int32)
 
 
-class StableAndConfident:
-    """Stateful wrapper of :func:`stop_update` (mirrors the reference's class)."""
-
-    def __init__(self, stability_threshold: int, confidence_threshold: float):
-        self.k = stability_threshold
-        self.threshold = confidence_threshold
-        self.history: mx.array | None = None
-
-    def reset(self) -> None:
-        self.history = None
-
-    def __call__(self, argmax: mx.array, entropy: mx.array) -> mx.array:
-        stop, self.history = stop_update(self.history, argmax.astype(mx.int32), entropy, self.k, self.threshold)
-        return stop
-
-
 def finalize_block(block: list[int], eos_ids: tuple[int, ...], pad_id: int) -> tuple[list[int], bool]:
     """Pad everything after the first EOS; returns (block, finished)."""
     for i, t in enumerate(block):

@@ -2,6 +2,7 @@
 
 import errno
 import shutil
+from dataclasses import replace
 
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -9,7 +10,7 @@ from gguf import GGMLQuantizationType as T
 from mlx_dgemma.cli import main
 from mlx_dgemma.convert import converter, source, writer
 from mlx_dgemma.convert.errors import ConvertError
-from mlx_dgemma.convert.synthetic import TinySpec, with_overrides, write_tiny_gguf
+from mlx_dgemma.convert.synthetic import TinySpec, write_tiny_gguf
 
 
 def run_cli(capsys, *args):
@@ -82,7 +83,7 @@ def test_missing_tensor(work, capsys):
 
 def test_unexpected_shape(work, capsys):
     # Tensors written for a dense width of 288, metadata then edited to claim 256.
-    path = write_tiny_gguf(work / "in" / "m.gguf", with_overrides(TinySpec(), intermediate_size=288),
+    path = write_tiny_gguf(work / "in" / "m.gguf", replace(TinySpec(), intermediate_size=288),
                            types="f32")
     data = path.read_bytes()
     key = b"diffusion-gemma.feed_forward_length"

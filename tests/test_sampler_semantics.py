@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch", reason="semantics tests compare with torch-
 gd = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma",
                          reason="transformers >= 5.23 with DiffusionGemma")
 
-from mlx_dgemma.sampler import (SamplerParams, StableAndConfident, accept_mask, finalize_block,  # noqa: E402
-                                sample_step, temperature, token_entropy)
+from mlx_dgemma.sampler import (SamplerParams, accept_mask, finalize_block, sample_step,  # noqa: E402
+                                stop_update, temperature, token_entropy)
 
 
 def logits_with_spread(rng, B=1, C=64, V=300):
@@ -93,11 +93,12 @@ def test_stop_decisions_match_reference(k):
     seq = [(other, confident), (base, unsure), (base, confident), (base, confident), (base, confident),
            (other, confident), (other, confident), (base, confident), (base, confident), (base, confident)]
     ref = gd.StableAndConfidentStoppingCriteria(stability_threshold=k, confidence_threshold=0.005)
-    ours = StableAndConfident(k, 0.005)
+    history = None  # what the compiled step carries from one step to the next
     got, want = [], []
     for argmax, lg in seq:
         want.append(bool(ref(torch.from_numpy(argmax), torch.from_numpy(lg))[0]))
-        got.append(bool(ours(mx.array(argmax, dtype=mx.int32), token_entropy(mx.array(lg)))[0]))
+        stop, history = stop_update(history, mx.array(argmax, dtype=mx.int32), token_entropy(mx.array(lg)), k, 0.005)
+        got.append(bool(stop[0]))
     assert got == want
     assert any(want) and not all(want)
     if k >= 1:  # the history starts at -1: k + 1 identical canvases in a row are needed
