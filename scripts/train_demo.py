@@ -48,6 +48,8 @@ SAMPLER_DEFAULTS = {"diffusion.eb_t_max": 0.25, "diffusion.eb_t_min": 0.05}
 N_RESERVED, N_BYTES = 108, 256  # the gemma4 layout: special ids first, then 256 byte tokens
 TURN_END, PAD = 106, 0
 HELD_OUT_EVERY = 37  # every 37th chapter is held out
+# A word, for the corpus word list and the readability metric alike (so both split the same way).
+WORD = re.compile(r"[A-Za-z]+")
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -476,6 +478,8 @@ def evaluate(args: argparse.Namespace) -> None:
     free_prompts = ["In the beginning God created the heaven and the earth.", "The Lord is my shepherd",
                     "Tell me about the sea.", "Hello! Who are you?"]
     steps, final_entropy, first_words, n_words, n_known, samples = [], [], [], 0, 0, []
+    unknown: dict[str, int] = {}
+    distinct, answers = [], []
     for k, prompt in enumerate(prompts + free_prompts):
         t0 = time.perf_counter()
         first, last_entropy, text = None, None, ""
@@ -485,33 +489,43 @@ def evaluate(args: argparse.Namespace) -> None:
                 last_entropy = ev.mean_entropy
                 if first is None:
                     draft = tok.decode([t for t in ev.draft.tolist() if t not in tok.special_ids])
-                    if any(w.lower() in words for w in re.findall(r"[A-Za-z]+", draft)):
+                    if any(w.lower() in words for w in WORD.findall(draft)):
                         first = time.perf_counter() - t0
-                if ev.stopped:
+                if ev.stopped or ev.step == ev.max_steps:  # the entropy the block ended with
                     final_entropy.append(last_entropy)
             if isinstance(ev, DoneEvent):
                 steps += list(ev.steps_per_block)
                 text = ev.text
         first_words.append(first if first is not None else float("nan"))
-        ws = re.findall(r"[A-Za-z]+", text)
+        ws = [w.lower() for w in WORD.findall(text)]
         n_words += len(ws)
-        n_known += sum(w.lower() in words for w in ws)
+        n_known += sum(w in words for w in ws)
+        for w in ws:
+            if w not in words:
+                unknown[w] = unknown.get(w, 0) + 1
+        # repetition check: distinct words / words of this answer (1.0: no word repeated)
+        distinct.append(len(set(ws)) / len(ws) if ws else float("nan"))
+        answers.append(text)
         if k >= len(prompts):
             samples.append({"prompt": prompt, "answer": text})
         print(json.dumps({"prompt": k, "steps": steps[-1:], "first_words_s": first, "answer": text}), flush=True)
     res = {
-        "prompts": len(prompts) + len(free_prompts), "max_steps": 48,
+        "prompts": len(prompts) + len(free_prompts), "max_steps": model.generation_config.get(
+            "max_denoising_steps", 48) if "max_denoising_steps" not in overrides else overrides["max_denoising_steps"],
         "median_steps_per_block": float(np.median(steps)), "mean_steps_per_block": float(np.mean(steps)),
-        "blocks_stopped_early": float(np.mean(np.array(steps) < 48)),
+        "blocks": len(steps),
         "final_mean_entropy": float(np.mean(final_entropy)) if final_entropy else None,
         "word_tokens": n_words, "known_word_fraction": n_known / max(1, n_words),
+        "distinct_word_ratio": float(np.nanmean(distinct)),
         "median_first_words_seconds": float(np.nanmedian(first_words)),
         "max_first_words_seconds": float(np.nanmax(first_words)), "samples": samples,
+        "unknown_words": dict(sorted(unknown.items(), key=lambda kv: -kv[1])), "answers": answers,
     }
+    res["blocks_stopped_early"] = float(np.mean(np.array(steps) < res["max_steps"]))
     res["sampler"] = {**model.generation_config, **overrides}
     name = args.eval_name or ("eval_reference_sampler.json" if args.reference_sampler else "eval.json")
     (BUILD / name).write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "answers"}, indent=1))
 
 
 def plot(args: argparse.Namespace) -> None:
