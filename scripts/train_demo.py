@@ -488,7 +488,8 @@ def defaults(args: argparse.Namespace) -> None:
         if f.name.startswith("diffusion.eb_"):
             continue  # replaced: a key no longer among the defaults leaves the reference's value
         vt = f.types[0]
-        w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+        sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
         if f.name == "diffusion.canvas_length":  # where export writes them, so the order is export's
             for k, v in SAMPLER_DEFAULTS.items():
                 _add_kv(w, k, v)
@@ -579,9 +580,9 @@ def evaluate(args: argparse.Namespace) -> None:
         if k >= len(prompts):
             samples.append({"prompt": prompt, "answer": text})
         print(json.dumps({"prompt": k, "steps": steps[-1:], "first_words_s": first, "answer": text}), flush=True)
+    max_steps = overrides.get("max_denoising_steps", model.generation_config["max_denoising_steps"])
     res = {
-        "prompts": len(prompts) + len(free_prompts), "max_steps": model.generation_config.get(
-            "max_denoising_steps", 48) if "max_denoising_steps" not in overrides else overrides["max_denoising_steps"],
+        "prompts": len(prompts) + len(free_prompts), "max_steps": max_steps,
         "median_steps_per_block": float(np.median(steps)), "mean_steps_per_block": float(np.mean(steps)),
         "blocks": len(steps),
         "final_mean_entropy": float(np.mean(final_entropy)) if final_entropy else None,
@@ -623,7 +624,8 @@ def plot(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["prepare", "train", "merge_parts", "export", "defaults", "evaluate", "plot", "all"])
+    ap.add_argument("stage", choices=["prepare", "train", "merge_parts", "export", "defaults", "evaluate", "plot",
+                                      "all"])
     ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20000)
@@ -635,7 +637,8 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=15, help="held-out loss every N log lines")
     ap.add_argument("--types", choices=["q8_0", "f16", "f32"], default="q8_0", help="export: matrix type")
-    ap.add_argument("--output", default=None, help="export, defaults: the GGUF path (default: the package's demo file)")
+    ap.add_argument("--output", default=None,
+                    help="export, defaults: the GGUF path (default: the package's demo file)")
     ap.add_argument("--reference-sampler", action="store_true",
                     help="evaluate: the published model's sampler defaults instead of the file's")
     ap.add_argument("--set", action="append", help="evaluate: a sampler override KEY=VALUE (repeatable)")
