@@ -8,6 +8,7 @@ Stages (each reads what the previous one wrote under ``build/demo/``):
               (needs only torch + transformers, so it can run on another machine)
     export    the trained weights as a GGUF in the published file's format (Q8_0 matrices)
               into ``mlx_dgemma/data/``
+    defaults  rewrite only the shipped file's sampler keys (SAMPLER_DEFAULTS), tensors untouched
     evaluate  MLX generation with the default sampler: steps per block, final entropy,
               readability, time to first words (``build/demo/eval.json``)
     plot      the loss curve into ``docs/demo-loss.png`` (needs matplotlib)
@@ -48,6 +49,21 @@ SAMPLER_DEFAULTS = {"diffusion.eb_t_max": 0.25, "diffusion.eb_t_min": 0.05}
 N_RESERVED, N_BYTES = 108, 256  # the gemma4 layout: special ids first, then 256 byte tokens
 TURN_END, PAD = 106, 0
 HELD_OUT_EVERY = 37  # every 37th chapter is held out
+# A word, for the corpus word list and the readability metric alike (so both split the same way).
+WORD = re.compile(r"[A-Za-z]+")
+EDGE_PUNCT = "\"'()[]{},.;:!?-"
+
+
+def strict_words(text: str) -> list[str]:
+    """Whitespace-separated tokens with their edge punctuation stripped, lowercased, those that
+    hold a letter: a stricter split than WORD's letter runs, under which a join such as
+    ``her.ry`` or ``saying,Ver`` is one token (not a word) instead of two (one a word)."""
+    out = []
+    for t in text.split():
+        t = t.strip(EDGE_PUNCT).lower()
+        if any(c.isalpha() for c in t):
+            out.append(t)
+    return out
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -173,8 +189,10 @@ def prepare(args: argparse.Namespace) -> None:
                         canvas=np.stack(canvases), held_out=np.array(split))
     (BUILD / "tokenizer.json").write_text(json.dumps(vocab))
     (BUILD / "config.json").write_text(json.dumps({"text_config": text_config(), "canvas_length": C}))
-    words = sorted({w for t in train_texts for w in re.findall(r"[A-Za-z]+", t.lower())})
+    words = sorted({w.lower() for t in train_texts for w in WORD.findall(t)})
     (BUILD / "words.txt").write_text("\n".join(words))
+    strict = sorted({w for t in train_texts for w in strict_words(t)})
+    (BUILD / "words_strict.txt").write_text("\n".join(strict))
     sample = train_texts[:2000]
     n_tokens = sum(len(tok.encode(t)) for t in sample)
     print(f"prepare: {len(verses)} verses, {len(chapters)} chapters ({len(held)} held out), "
@@ -452,6 +470,56 @@ def export(args: argparse.Namespace) -> None:
     print(f"export: {out} ({out.stat().st_size / 1e6:.1f} MB)")
 
 
+def defaults(args: argparse.Namespace) -> None:
+    """Rewrite the shipped file's sampler keys (``diffusion.eb_*``) to SAMPLER_DEFAULTS, every
+    other key and every tensor copied as they are (no checkpoint or retraining needed); the
+    tensors of the result are checked byte for byte against the original's before it replaces it."""
+    import gguf
+
+    from mlx_dgemma.convert.synthetic import _add_kv
+
+    src = Path(args.output) if args.output else DATA_DIR / GGUF_NAME
+    reader = gguf.GGUFReader(src)
+    tmp = src.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), reader.get_field("general.architecture").contents())
+    written = False
+    for f in reader.fields.values():
+        if f.name == "general.architecture" or f.name.startswith("GGUF."):
+            continue  # the writer writes these itself
+        if f.name.startswith("diffusion.eb_"):
+            continue  # replaced: a key no longer among the defaults leaves the reference's value
+        vt = f.types[0]
+        sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
+        if f.name == "diffusion.canvas_length":  # where export writes them, so the order is export's
+            for k, v in SAMPLER_DEFAULTS.items():
+                _add_kv(w, k, v)
+            written = True
+    if not written:
+        for k, v in SAMPLER_DEFAULTS.items():
+            _add_kv(w, k, v)
+    for t in reader.tensors:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in reader.tensors:
+        w.write_tensor_data(t.data)
+    w.close()
+    # The tensor data is the file's tail (from the aligned data offset on): the same bytes, or no file.
+    n = src.stat().st_size - reader.data_offset
+    with open(src, "rb") as a, open(tmp, "rb") as b:
+        a.seek(-n, os.SEEK_END)
+        b.seek(-n, os.SEEK_END)
+        same = tmp.stat().st_size - n >= 0 and a.read() == b.read()
+    if not same:
+        tmp.unlink()
+        sys.exit(f"defaults: the rewritten tensor data differs from {src}'s; the file is left as it was")
+    del reader
+    os.replace(tmp, src)
+    print(f"defaults: {src}: {SAMPLER_DEFAULTS}; tensor data ({n} bytes) byte-identical")
+
+
 # ----------------------------------------------------------------------------- evaluate
 
 def evaluate(args: argparse.Namespace) -> None:
@@ -467,6 +535,7 @@ def evaluate(args: argparse.Namespace) -> None:
         k, v = kv.split("=", 1)
         overrides[k] = type(model.generation_config.get(k, 0.0))(v)
     words = set((BUILD / "words.txt").read_text().split())
+    strict_list = set((BUILD / "words_strict.txt").read_text().split("\n"))
     data = dict(np.load(BUILD / "examples.npz"))
     rng = np.random.default_rng(SEED + 4)
     held = rng.choice(np.flatnonzero(data["held_out"]), size=args.prompts, replace=False)
@@ -477,6 +546,9 @@ def evaluate(args: argparse.Namespace) -> None:
     free_prompts = ["In the beginning God created the heaven and the earth.", "The Lord is my shepherd",
                     "Tell me about the sea.", "Hello! Who are you?"]
     steps, final_entropy, first_words, n_words, n_known, samples = [], [], [], 0, 0, []
+    unknown: dict[str, int] = {}
+    n_strict, n_strict_known = 0, 0
+    distinct, answers = [], []
     for k, prompt in enumerate(prompts + free_prompts):
         t0 = time.perf_counter()
         first, last_entropy, text = None, None, ""
@@ -486,33 +558,47 @@ def evaluate(args: argparse.Namespace) -> None:
                 last_entropy = ev.mean_entropy
                 if first is None:
                     draft = tok.decode([t for t in ev.draft.tolist() if t not in tok.special_ids])
-                    if any(w.lower() in words for w in re.findall(r"[A-Za-z]+", draft)):
+                    if any(w.lower() in words for w in WORD.findall(draft)):
                         first = time.perf_counter() - t0
-                if ev.stopped:
+                if ev.stopped or ev.step == ev.max_steps:  # the entropy the block ended with
                     final_entropy.append(last_entropy)
             if isinstance(ev, DoneEvent):
                 steps += list(ev.steps_per_block)
                 text = ev.text
         first_words.append(first if first is not None else float("nan"))
-        ws = re.findall(r"[A-Za-z]+", text)
+        ws = [w.lower() for w in WORD.findall(text)]
+        st = strict_words(text)
+        n_strict += len(st)
+        n_strict_known += sum(w in strict_list for w in st)
         n_words += len(ws)
-        n_known += sum(w.lower() in words for w in ws)
+        n_known += sum(w in words for w in ws)
+        for w in ws:
+            if w not in words:
+                unknown[w] = unknown.get(w, 0) + 1
+        # repetition check: distinct words / words of this answer (1.0: no word repeated)
+        distinct.append(len(set(ws)) / len(ws) if ws else float("nan"))
+        answers.append(text)
         if k >= len(prompts):
             samples.append({"prompt": prompt, "answer": text})
         print(json.dumps({"prompt": k, "steps": steps[-1:], "first_words_s": first, "answer": text}), flush=True)
+    max_steps = overrides.get("max_denoising_steps", model.generation_config["max_denoising_steps"])
     res = {
-        "prompts": len(prompts) + len(free_prompts), "max_steps": 48,
+        "prompts": len(prompts) + len(free_prompts), "max_steps": max_steps,
         "median_steps_per_block": float(np.median(steps)), "mean_steps_per_block": float(np.mean(steps)),
-        "blocks_stopped_early": float(np.mean(np.array(steps) < 48)),
+        "blocks": len(steps),
         "final_mean_entropy": float(np.mean(final_entropy)) if final_entropy else None,
         "word_tokens": n_words, "known_word_fraction": n_known / max(1, n_words),
+        "strict_word_tokens": n_strict, "strict_known_fraction": n_strict_known / max(1, n_strict),
+        "distinct_word_ratio": float(np.nanmean(distinct)),
         "median_first_words_seconds": float(np.nanmedian(first_words)),
         "max_first_words_seconds": float(np.nanmax(first_words)), "samples": samples,
+        "unknown_words": dict(sorted(unknown.items(), key=lambda kv: -kv[1])), "answers": answers,
     }
+    res["blocks_stopped_early"] = float(np.mean(np.array(steps) < res["max_steps"]))
     res["sampler"] = {**model.generation_config, **overrides}
     name = args.eval_name or ("eval_reference_sampler.json" if args.reference_sampler else "eval.json")
     (BUILD / name).write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "answers"}, indent=1))
 
 
 def plot(args: argparse.Namespace) -> None:
@@ -539,7 +625,8 @@ def plot(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["prepare", "train", "merge_parts", "export", "evaluate", "plot", "all"])
+    ap.add_argument("stage", choices=["prepare", "train", "merge_parts", "export", "defaults", "evaluate", "plot",
+                                      "all"])
     ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20000)
@@ -551,7 +638,8 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=15, help="held-out loss every N log lines")
     ap.add_argument("--types", choices=["q8_0", "f16", "f32"], default="q8_0", help="export: matrix type")
-    ap.add_argument("--output", default=None, help="export: the GGUF path (default: the package's demo file)")
+    ap.add_argument("--output", default=None,
+                    help="export, defaults: the GGUF path (default: the package's demo file)")
     ap.add_argument("--reference-sampler", action="store_true",
                     help="evaluate: the published model's sampler defaults instead of the file's")
     ap.add_argument("--set", action="append", help="evaluate: a sampler override KEY=VALUE (repeatable)")

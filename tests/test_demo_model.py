@@ -2,8 +2,11 @@
 published file's format, loaded by ``load_demo``, and a model that has learned something, so
 that its entropy falls and its stop rule fires (the random demo's does neither)."""
 
+import argparse
+import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,12 +16,20 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
 from mlx_dgemma.convert.metadata import args_from_metadata, read_metadata
+from mlx_dgemma.loader import load
+from mlx_dgemma.schema import generation_defaults
 from mlx_dgemma.convert.names import expected_tensors
 from mlx_dgemma.demo import demo_file, load_demo, trained_demo_path
 from mlx_dgemma.errors import ParameterError
 from mlx_dgemma.generation import ChatSession, DoneEvent, StepEvent
 from mlx_dgemma.convert.tokenizer_data import SPECIALS
 
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_demo.py"
+# The file's optional sampler keys and the generation parameters they set.
+EB_KEYS = {"diffusion.eb_max_steps": "max_denoising_steps", "diffusion.eb_t_min": "t_min",
+           "diffusion.eb_t_max": "t_max", "diffusion.eb_entropy_bound": "entropy_bound",
+           "diffusion.eb_stability_threshold": "stability_threshold",
+           "diffusion.eb_confidence_threshold": "confidence_threshold"}
 HEADER = Path(__file__).resolve().parents[2] / "shared" / "reference" / \
     "diffusiongemma-26b-a4b-it-q4_k_m.header.json"
 # Lines of the corpus (KJV) that the model saw; the continuation of Genesis 1:1 is 1:2.
@@ -83,6 +94,41 @@ def test_load_demo_kinds(demo, monkeypatch, tmp_path):
     assert demo_file("random").parent == tmp_path
     with pytest.raises(ParameterError, match="demo kind 'bogus'"):
         load_demo(kind="bogus")
+
+
+def test_load_exposes_the_files_sampler_defaults(demo, reader):
+    """The file carries its own schedule in diffusion.eb_* keys; load() puts exactly those into
+    model.generation_config and the reference's defaults everywhere else."""
+    model, _ = demo
+    keys = {k: v for k, v in read_metadata(reader).items() if k.startswith("diffusion.eb_")}
+    assert keys and set(keys) <= set(EB_KEYS), keys
+    for key, name in EB_KEYS.items():
+        want = keys.get(key, generation_defaults()[name])
+        assert model.generation_config[name] == pytest.approx(want), name
+
+
+def test_defaults_stage_rewrites_only_the_sampler_keys(tmp_path, monkeypatch, reader):
+    """scripts/train_demo.py's 'defaults' stage: new sampler keys reach load(), the tensor data
+    stays byte for byte; rewritten back with the shipped values, the file is the shipped file."""
+    spec = importlib.util.spec_from_file_location("train_demo", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    shipped = trained_demo_path()
+    path = tmp_path / shipped.name
+    shutil.copy(shipped, path)
+    args = argparse.Namespace(output=str(path))
+    monkeypatch.setattr(script, "SAMPLER_DEFAULTS", {"diffusion.eb_t_max": 0.3, "diffusion.eb_max_steps": 40})
+    script.defaults(args)
+    data = shipped.stat().st_size - reader.data_offset  # the tensor data: the file's tail
+    assert path.read_bytes()[-data:] == shipped.read_bytes()[-data:]
+    assert path.read_bytes() != shipped.read_bytes()
+    model, _ = load(path, dtype=mx.float32)
+    gc = model.generation_config
+    assert (gc["t_max"], gc["max_denoising_steps"]) == (pytest.approx(0.3), 40)
+    assert gc["t_min"] == generation_defaults()["t_min"]  # dropped from the file: the reference's again
+    monkeypatch.undo()
+    script.defaults(args)
+    assert path.read_bytes() == shipped.read_bytes()
 
 
 def _canvas_loss(model, prompt_ids: list[int], clean: list[int], noisy: list[int]) -> tuple[float, float]:
