@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
-from .chat import ParsedAnswer, parse_answer, render_chat
+from .chat_template import ParsedAnswer, parse_answer, render_chat
 from .errors import NonFiniteError, ParameterError
 # The events live in mlx_dgemma.events (numpy only); re-exported here for older imports.
 from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent  # noqa: F401

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from mlx_dgemma.chat import THOUGHT_CLOSE, THOUGHT_OPEN, parse_answer, render_chat
+from mlx_dgemma.chat_template import THOUGHT_CLOSE, THOUGHT_OPEN, parse_answer, render_chat
 from mlx_dgemma.errors import DGemmaError, ParameterError
 
 log = logging.getLogger("mlx_dgemma.server")

@@ -437,10 +437,10 @@ def check_chat_template(text: str, source: str) -> None:
     """A chat template must compile in the sandbox (syntax errors named with their line)."""
     from jinja2 import TemplateError
 
-    from .chat import _compile
+    from .chat_template import compile_template
 
     try:
-        _compile(text)
+        compile_template(text)
     except TemplateError as e:
         line = getattr(e, "lineno", None)
         raise ModelFilesError(f"{source}: the chat template does not compile ({e.__class__.__name__}"

@@ -143,7 +143,7 @@ def text_config() -> dict:
 
 
 def prepare(args: argparse.Namespace) -> None:
-    from mlx_dgemma.chat import DEFAULT_TEMPLATE, render_chat
+    from mlx_dgemma.chat_template import DEFAULT_TEMPLATE, render_chat
     from mlx_dgemma.generation import CONTINUATION_TEMPLATE
     from mlx_dgemma.tokenizer import Tokenizer
 
@@ -397,7 +397,7 @@ def export(args: argparse.Namespace) -> None:
     from gguf import GGUFWriter
     from gguf.quants import quantize
 
-    from mlx_dgemma.chat import DEFAULT_TEMPLATE
+    from mlx_dgemma.chat_template import DEFAULT_TEMPLATE
     from mlx_dgemma.convert.metadata import ARCH
     from mlx_dgemma.schema import ModelArgs
     from mlx_dgemma.convert.names import expected_tensors, mlx_name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_dgemma.chat import DEFAULT_TEMPLATE, parse_answer, render_chat, strip_specials
+from mlx_dgemma.chat_template import DEFAULT_TEMPLATE, parse_answer, render_chat, strip_specials
 from mlx_dgemma.errors import ParameterError
 
 # A Gemma 4-style template exercising what real templates use: a system turn, thinking

@@ -145,7 +145,7 @@ def test_model_denoises_a_corpus_continuation(demo):
     """Half the canvas replaced by uniform noise: the trained model puts the clean tokens
     back far better than chance (ln 4096 = 8.3 nats)."""
     model, tok = demo
-    from mlx_dgemma.chat import render_chat
+    from mlx_dgemma.chat_template import render_chat
 
     prompt = tok.encode(render_chat([{"role": "user", "content": GENESIS_1_1}], tok.chat_template))
     clean = tok.encode(GENESIS_1_2) + [106]

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from mlx_dgemma.chat import render_chat
+from mlx_dgemma.chat_template import render_chat
 from mlx_dgemma.errors import ParameterError
 
 MSG = [{"role": "user", "content": "hi"}]

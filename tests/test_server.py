@@ -19,7 +19,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from mlx_dgemma.chat import THOUGHT_CLOSE, THOUGHT_OPEN  # noqa: E402
+from mlx_dgemma.chat_template import THOUGHT_CLOSE, THOUGHT_OPEN  # noqa: E402
 from mlx_dgemma.server import Answer, Deltas  # noqa: E402
 
 QUEUE = 2  # waiting requests before 503
@@ -268,7 +268,7 @@ class _Tok:
 
 
 def _add(a: Answer, ids: list[int]) -> None:
-    from mlx_dgemma.chat import parse_answer
+    from mlx_dgemma.chat_template import parse_answer
 
     parsed = parse_answer(_Tok().decode(a.tokens + ids))
     a.add(tuple(ids), parsed.answer, parsed.thinking)

@@ -66,7 +66,8 @@ def _sized(n: Any) -> int:
 
 
 @lru_cache(maxsize=8)
-def _compile(template: str):
+def compile_template(template: str):
+    """A chat template compiled as transformers compiles it (errors are raised, not rendered)."""
     # The environment transformers uses for chat templates (sandboxed, trim/lstrip blocks,
     # loop controls, tojson, raise_exception, strftime_now), with a budget on every attribute,
     # item, call, range and repetition, so a hostile template cannot hang or exhaust memory.
@@ -118,7 +119,7 @@ def _render(template: str, **variables: Any) -> str:
     from jinja2 import TemplateError
 
     try:
-        compiled = _compile(template)
+        compiled = compile_template(template)
     except TemplateError as e:
         raise ParameterError(f"chat template: does not compile ({e.__class__.__name__}"
                              f"{f' at line {e.lineno}' if getattr(e, 'lineno', None) else ''}: {e}); fix or "
