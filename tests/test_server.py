@@ -4,6 +4,7 @@ demo model, free port) serves the whole module; answers are kept to one 64-token
 one denoising step (where steps are not the point) so that the file runs in seconds of generation."""
 
 import concurrent.futures as cf
+import contextlib
 import http.client
 import json
 import os
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -93,14 +94,20 @@ class LiveServer:
             conn.close()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def live_server(tmp_path_factory) -> Iterator[LiveServer]:
     srv = LiveServer(str(tmp_path_factory.mktemp("demo-cache")))
     try:
         srv.wait_ready(timeout=300)
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with live_server(tmp_path_factory) as srv:
+        yield srv
 
 
 def chat(srv: LiveServer, content: str = "Why is the sky blue?", client: Any = None, **kw: Any) -> Any:
@@ -426,12 +433,8 @@ def _hostile_cases() -> list[tuple[str, str, Any, int, str | None]]:
 def own_server(tmp_path_factory):
     """A server no other test has used: the log-line count below sees only this test's requests
     (a shared one could still be writing a late line for an earlier test's request under load)."""
-    srv = LiveServer(str(tmp_path_factory.mktemp("demo-cache")))
-    try:
-        srv.wait_ready(timeout=300)
+    with live_server(tmp_path_factory) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_hostile_requests(own_server):

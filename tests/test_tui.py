@@ -232,13 +232,19 @@ async def test_80x24_chat_footer_shows_every_binding():
             assert key in footer, footer
 
 
-async def test_errors_are_shown_not_raised():
+def failing_backend(error: Exception) -> ScriptedBackend:
+    """A scripted backend whose every answer raises ``error`` (the UI must show it, not crash)."""
+
     class Failing(ScriptedBackend):
         def stream(self, prompt, cancel, **params):
-            raise RuntimeError("the GPU caught fire")
+            raise error
             yield  # pragma: no cover
 
-    app = DGemmaApp(Failing())
+    return Failing()
+
+
+async def test_errors_are_shown_not_raised():
+    app = DGemmaApp(failing_backend(RuntimeError("the GPU caught fire")))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.backend.loaded)
         await send(pilot, "q")
@@ -475,12 +481,7 @@ async def test_errors_are_told_apart_by_class_not_by_message(error, shown):
 
     cls = {"MemoryBudgetError": MemoryBudgetError, "BudgetTooSmall": BudgetTooSmall}[error]
 
-    class Failing(ScriptedBackend):
-        def stream(self, prompt, cancel, **params):
-            raise cls("prompt: 9 tokens need about 2 GB more memory")
-            yield  # pragma: no cover
-
-    app = DGemmaApp(Failing())
+    app = DGemmaApp(failing_backend(cls("prompt: 9 tokens need about 2 GB more memory")))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine.loaded)
         await send(pilot, "q")
