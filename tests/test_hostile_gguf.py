@@ -160,6 +160,17 @@ def test_verify_against_another_model(work, capsys, tiny_model_dir):
 
 # --- tampered converted directories -------------------------------------------------------
 
+def _spoil_json(path, garbage: str | None, edit) -> str:
+    """Overwrite a JSON side file with ``garbage``, or with its parsed content after ``edit``."""
+    if garbage is not None:
+        path.write_text(garbage)
+    else:
+        data = json.loads(path.read_text())
+        edit(data)
+        path.write_text(json.dumps(data))
+    return path.name
+
+
 def _st_header(path: Path) -> tuple[int, dict]:
     raw = path.read_bytes()
     (n,) = struct.unpack_from("<Q", raw)
@@ -225,24 +236,18 @@ def _tamper(d: Path, what: str) -> str:
         return "model.safetensors.index.json"
     if what.startswith("tok:"):
         kind = what.split(":", 1)[1]
-        tok = json.loads((d / "tokenizer_gguf.json").read_text())
-        if kind == "invalid":
-            (d / "tokenizer_gguf.json").write_text("\x00\x01")
-        else:
-            tok["tokenizer.ggml.tokens"] = 5 if kind == "mistyped" else tok["tokenizer.ggml.tokens"]
+
+        def bad_tokens(tok: dict) -> None:
+            if kind == "mistyped":
+                tok["tokenizer.ggml.tokens"] = 5
             if kind == "unk":
                 tok["tokenizer.ggml.unknown_token_id"] = 10**6
-            (d / "tokenizer_gguf.json").write_text(json.dumps(tok))
-        return "tokenizer_gguf.json"
+
+        return _spoil_json(d / "tokenizer_gguf.json", "\x00\x01" if kind == "invalid" else None, bad_tokens)
     if what.startswith("gen:"):
         kind = what.split(":", 1)[1]
-        gen = json.loads((d / "generation_config.json").read_text())
-        if kind == "invalid":
-            (d / "generation_config.json").write_text("nope")
-        else:
-            gen["t_min"] = "warm"
-            (d / "generation_config.json").write_text(json.dumps(gen))
-        return "generation_config.json"
+        return _spoil_json(d / "generation_config.json", "nope" if kind == "invalid" else None,
+                           lambda gen: gen.__setitem__("t_min", "warm"))
     if what == "template":
         (d / "chat_template.jinja").write_text("{% if %}")
         return "chat_template.jinja"
