@@ -261,6 +261,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import main as doctor_main
+
+    return doctor_main(args)
+
+
 def add_model_commands(sub: argparse._SubParsersAction) -> None:
     """Add the model-running subcommands (generate, chat, bench, serve) to the parser."""
     g = sub.add_parser("generate", help="generate an answer, streamed to stdout",
@@ -297,6 +303,15 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
 
     add_serve_args(s)
     s.set_defaults(func=_cmd_serve)
+
+    d = sub.add_parser("doctor", help="check this machine: device, memory, and GPU results against MLX's CPU",
+                       description="Report the device, MLX version and backend, the memory the GPU may use, "
+                                   "and run the model's operations on the default device and on MLX's CPU "
+                                   "stream on a fixed input: exit 0 when they agree, 1 when a check fails.")
+    from .doctor import add_args as add_doctor_args
+
+    add_doctor_args(d)
+    d.set_defaults(func=_cmd_doctor)
 
 
 # --------------------------------------------------------------------------- the parser, main

@@ -43,12 +43,16 @@ KNOWN_CORE_EXCEPTIONS = {
     ("mlx_dgemma/cli.py", "mlx_dgemma.tui.app"),
     # The demo model is built from a synthetic GGUF, converted.
     ("mlx_dgemma/demo.py", "mlx_dgemma.convert.synthetic"),
+    # `doctor` checks one decoder layer at the published shapes, built like the benchmark's
+    # real-shapes model: a synthetic GGUF, converted in memory.
+    ("mlx_dgemma/doctor.py", "mlx_dgemma.convert.synthetic"),
 }
 
 # The benchmark (mlx_dgemma/bench/) is tooling beside the core, like the command line: it may
 # use convert's public names (its models are synthetic GGUFs, converted; its peers are given a
 # GGUF's weights), and only the command line that runs it imports it.
-BENCH_IMPORTERS = {"mlx_dgemma/cli.py"}
+BENCH_IMPORTERS = {"mlx_dgemma/cli.py",
+                   "mlx_dgemma/doctor.py"}  # the published layer shapes: bench.configs' "real-shapes"
 
 # Installed package -> source folder (pyproject's package-dir mapping).
 PACKAGES = {"mlx_dgemma": "mlx_dgemma", "mlx_dgemma.bench": "mlx_dgemma/bench", "mlx_dgemma.convert": "convert",

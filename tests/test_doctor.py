@@ -1,0 +1,150 @@
+"""`mlx-dgemma doctor`: the machine report and the default-device-vs-CPU checks.
+
+This machine has no GPU, so the command compares MLX's CPU with itself (compiled vs eager step)
+and must say so; each check is shown to fail when the default device's numbers are corrupted
+(through ``perturb``, the comparison's own argument).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mlx_dgemma import doctor
+from mlx_dgemma.cli import build_parser, main
+
+
+def doctor_args(*argv: str):
+    return build_parser().parse_args(["doctor", *argv])
+
+
+@pytest.fixture(scope="module")
+def demo_outputs():
+    """One run of the demo on each side (the comparison's inputs), shared by the unit tests."""
+    from mlx_dgemma.demo import load_demo
+    from mlx_dgemma.sampler import SamplerParams
+
+    model, tok = load_demo(precision="exact")
+    params = SamplerParams.from_config(model.generation_config)
+    inp = doctor.fixed_input(model.args, tok.encode(doctor.FIXED_PROMPT), model.args.canvas_length, params.t_max)
+    return doctor.subject_and_reference(model, inp, model.activation_dtype, params)
+
+
+def test_quick_run_exits_0_and_says_there_is_no_gpu(capsys):
+    assert main(["doctor", "--quick"]) == 0
+    out, err = capsys.readouterr()
+    assert "no GPU" in out and "backend cpu" in out
+    assert "result:        all 3 checks agree" in out
+    for name in ("prefill KV cache", "denoiser logits", "sampler argmax"):
+        assert f"ok   demo, exact (float32): {name}" in out
+    assert "[doctor" in err and "demo" in err  # progress on stderr
+
+
+def test_json_schema_with_a_model(capsys, tiny_model_dir):
+    assert main(["doctor", "--quick", "--json", "--model", str(tiny_model_dir), "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    r = json.loads(out)  # one JSON object, nothing else on stdout
+    assert set(r) == {"ok", "exit_code", "device", "memory", "kernel_cache", "fit", "thresholds_provisional",
+                      "checks", "failed", "seconds"}
+    assert r["ok"] is True and r["exit_code"] == 0 and r["failed"] == []
+    assert r["device"] == {**r["device"], "default_device": "cpu", "backend": "cpu", "gpu": False}
+    assert r["memory"]["kind"] == "available RAM" and r["memory"]["bytes"] > 0
+    assert r["kernel_cache"]["applies"] is False
+    assert r["thresholds_provisional"] is False  # CPU vs CPU uses the measured float32 row
+    assert [p["precision"] for p in r["fit"]["precisions"]] == ["exact (float32)", "fast (float32)"]
+    assert r["fit"]["weights_bytes"] == sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    cases = {c["case"] for c in r["checks"]}
+    assert cases == {"demo", "tiny (first 2 layers)"}
+    for c in r["checks"]:
+        assert set(c) == {"case", "precision", "check", "value", "threshold", "ok", "detail", "provisional", "label"}
+        assert c["check"] in ("kv", "logits", "argmax") and c["ok"] is True
+
+
+def test_a_corrupted_comparison_exits_1_naming_the_check(capsys):
+    def perturb(quantity: str, a: np.ndarray) -> np.ndarray:  # 0.1 % off: far beyond float32 rounding
+        return a * 1.001 if quantity == "logits" else a
+
+    assert doctor.main(doctor_args("--quick"), perturb=perturb) == 1
+    out = capsys.readouterr().out
+    assert "FAIL demo, exact (float32): denoiser logits" in out
+    assert "1 of 3 checks FAILED: demo, exact (float32): denoiser logits" in out
+    assert "ok   demo, exact (float32): prefill KV cache" in out
+
+
+@pytest.mark.parametrize("quantity, corrupt", [
+    ("kv", lambda a: a + 1e-3 * np.abs(a).max() if a.dtype.kind == "f" else a),
+    ("logits", lambda a: a + np.random.default_rng(0).normal(0, 1e-3, a.shape) * np.abs(a).max()),
+    ("argmax", lambda a: np.roll(a, 1)),
+])
+def test_each_check_fails_when_its_numbers_are_wrong(demo_outputs, quantity, corrupt):
+    subject, reference = demo_outputs
+    tol = doctor.tolerance("cpu", "float32")
+    clean = doctor.compare("demo", "exact (float32)", subject, reference, tol)
+    assert all(c.ok for c in clean)
+    checks = doctor.compare("demo", "exact (float32)", subject, reference, tol,
+                            perturb=lambda q, a: corrupt(a) if q == quantity else a)
+    assert [c.check for c in checks if not c.ok] == [quantity]
+
+
+def test_rounding_level_differences_pass(demo_outputs):
+    """The float32 thresholds are not zero: relative noise of 1e-6 (a few float32 roundings
+    through the network) passes; a NaN fails."""
+    subject, reference = demo_outputs
+    tol = doctor.tolerance("cpu", "float32")
+    noisy = doctor.compare("demo", "exact", subject, reference, tol,
+                           perturb=lambda q, a: a * (1 + 1e-6) if a.dtype.kind == "f" else a)
+    assert all(c.ok for c in noisy)
+    nan = doctor.compare("demo", "exact", subject, reference, tol,
+                         perturb=lambda q, a: np.where(np.arange(a.size).reshape(a.shape) == 0, np.nan, a)
+                         if q == "logits" else a)
+    assert [c.check for c in nan if not c.ok] == ["logits"]
+
+
+def test_gpu_thresholds_are_one_table_marked_provisional(demo_outputs):
+    for (backend, dtype), tol in doctor.THRESHOLDS.items():
+        assert tol.measured == (backend == "cpu"), (backend, dtype)
+        assert tol.kv >= doctor.THRESHOLDS[("cpu", "float32")].kv and tol.argmax == 1.0
+    subject, reference = demo_outputs
+    checks = doctor.compare("demo", "fast (bfloat16)", subject, reference, doctor.tolerance("metal", "bfloat16"))
+    report = doctor.Report(doctor.device_info(), doctor.MemoryInfo("x", 1), doctor.KernelCache(False), None, checks)
+    assert report.provisional and report.to_json()["thresholds_provisional"] is True
+    assert any(line.startswith("thresholds:    provisional") for line in report.lines())
+
+
+def test_fit_says_which_precision_fits(tiny_model_dir):
+    from mlx_dgemma.model import ModelArgs
+    from mlx_dgemma.validate import check_model_dir
+
+    args = ModelArgs.from_config(check_model_dir(tiny_model_dir))
+    roomy = doctor.precision_fit(tiny_model_dir, args, doctor.MemoryInfo("available RAM", 1 << 40))
+    assert [p.fits for p in roomy.precisions] == [True, True]
+    weights = roomy.weights_bytes
+    assert all(p.needed_bytes > weights for p in roomy.precisions)  # plus the KV cache and working memory
+    tight = doctor.precision_fit(tiny_model_dir, args, doctor.MemoryInfo("available RAM", weights))
+    assert [p.fits for p in tight.precisions] == [False, False]
+
+
+@pytest.mark.parametrize("make", [lambda p: p / "missing", lambda p: (p / "empty").mkdir() or p / "empty"])
+def test_bad_model_path_is_one_line_exit_2(capsys, tmp_path, make):
+    path = make(tmp_path)
+    assert main(["doctor", "--quick", "--model", str(path)]) == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if not line.startswith("[doctor")]
+    assert len(lines) == 1 and lines[0].startswith("mlx-dgemma doctor: error: ") and str(path) in lines[0]
+    assert "demo" not in err  # refused before any check ran
+    assert out == ""
+
+
+def test_bad_layers_is_exit_2(capsys):
+    assert main(["doctor", "--quick", "--layers", "0"]) == 2
+    assert "--layers 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the real-shapes layer: ~10 s of building and ~5 s of running on a free 2-core CPU, minutes loaded
+def test_full_run_with_the_real_shapes_layer(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "ok   real-shapes layer, exact (float32): denoiser logits" in out
+    assert "all 6 checks agree" in out
