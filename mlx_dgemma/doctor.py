@@ -618,6 +618,7 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
     before comparison (tests prove each check can fail); bad input raises before any work."""
     from .loader import model_args
     from .paths import user_path
+    from .precision import apply_precision, resolve_precision
     from .sampler import SamplerParams
 
     prog = progress or Progress(enabled=False)
@@ -642,9 +643,10 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
             report.fit = precision_fit(path, model_args(path), mem)
 
     def check_case(case: str, load: Callable[[str], tuple[Any, list[int], dict]], canvas: int | None) -> None:
-        for prec in precs:
-            with prog.phase(f"{case}: loading ({prec})"):
-                model, ids, gen = load(prec)
+        with prog.phase(f"{case}: loading"):
+            model, ids, gen = load("exact")
+        for prec in precs:  # exact first: fast is made from it in memory, as the loader does
+            apply_precision(model, resolve_precision(prec))
             dtype = model.activation_dtype
             label = f"{prec} ({_dtype_name(dtype)})"
             params = SamplerParams.from_config(gen)
@@ -655,7 +657,6 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
                 subject, reference = subject_and_reference(model, inp, dtype, params)
             report.checks.extend(compare(case, label, subject, reference,
                                          tolerance(dev.backend, _dtype_name(dtype)), perturb))
-            del model
 
     def demo(prec: str):
         from .demo import load_demo
