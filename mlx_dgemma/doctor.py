@@ -212,7 +212,7 @@ FIT_PROMPT_TOKENS = 512  # the memory-tiers issue's reference context: 512 cache
 class PrecisionFit:
     precision: str  # "exact (float32)", "fast (bfloat16)"
     needed_bytes: int
-    fits: bool
+    fits: bool | None  # None: the memory available is unknown
     approximate: bool  # the weights' size is an upper bound (fast) or a lower one (a .gguf)
 
 
@@ -251,7 +251,7 @@ def precision_fit(path: Path, args: Any, memory: MemoryInfo) -> Fit:
     for name, dt in (("exact", mx.float32), ("fast", fd)):
         need = weights + estimate(args, FIT_PROMPT_TOKENS, new_blocks=1, dtype=dt).needed_bytes
         label = f"{name} ({_dtype_name(dt)})"
-        out.append(PrecisionFit(label, need, avail is None or need <= avail,
+        out.append(PrecisionFit(label, need, None if avail is None else need <= avail,
                                 approximate=(name == "fast" and fd != mx.float32) or not exact_size))
     return Fit(str(path), weights, avail, memory.kind, out)
 
@@ -538,7 +538,8 @@ class Report:
             out.append("fits:          give --model PATH to see which precision of a model fits")
         else:
             f = self.fit
-            parts = [f"{p.precision} {'fits' if p.fits else 'does NOT fit'} ({'~' if p.approximate else ''}"
+            verdict = {True: "fits", False: "does NOT fit", None: "needs"}
+            parts = [f"{p.precision} {verdict[p.fits]} ({'~' if p.approximate else ''}"
                      f"{_gb(p.needed_bytes)})" for p in f.precisions]
             out.append(f"fits:          {'; '.join(parts)}; {f.available_kind} "
                        f"{'unknown' if f.available_bytes is None else _gb(f.available_bytes)} "
@@ -616,13 +617,13 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
                progress: Progress | None = None) -> Report:
     """Everything ``mlx-dgemma doctor`` reports. ``perturb`` corrupts the default device's results
     before comparison (tests prove each check can fail); bad input raises before any work."""
+    t0 = time.perf_counter()
     from .loader import model_args
     from .paths import user_path
     from .precision import apply_precision, resolve_precision
     from .sampler import SamplerParams
 
     prog = progress or Progress(enabled=False)
-    t0 = time.perf_counter()
     if not isinstance(layers, int) or layers < 1:
         raise ParameterError(f"--layers {layers!r}: must be a whole number of layers >= 1")
     precs = precisions_to_check(precision)
@@ -645,6 +646,7 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
     def check_case(case: str, load: Callable[[str], tuple[Any, list[int], dict]], canvas: int | None) -> None:
         with prog.phase(f"{case}: loading"):
             model, ids, gen = load("exact")
+        case = case.format(layers=model.args.num_hidden_layers)
         for prec in precs:  # exact first: fast is made from it in memory, as the loader does
             apply_precision(model, resolve_precision(prec))
             dtype = model.activation_dtype
@@ -670,10 +672,14 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
         check_case("real-shapes layer", real_shapes_layer, LAYER_CANVAS)
     if path is not None:
         def first(prec: str):
-            model, tok, gen = first_layers(path, layers, prec)
+            from .progress import ProgressBar
+
+            bar = ProgressBar("converting in memory", unit="tensors", scale=1) if prog.enabled else None
+            model, tok, gen = first_layers(path, layers, prec, progress=bar.update if bar else None)
             return model, tok.encode(FIXED_PROMPT), gen
 
-        check_case(f"{path.name} (first {layers} layers)", first, MODEL_CANVAS)
+        check_case(path.name.replace("{", "{{").replace("}", "}}") + " (first {layers} layers)", first,
+                   MODEL_CANVAS)
     report.seconds = time.perf_counter() - t0
     return report
 
