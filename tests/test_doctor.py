@@ -86,6 +86,10 @@ def test_each_check_fails_when_its_numbers_are_wrong(demo_outputs, quantity, cor
     checks = doctor.compare("demo", "exact (float32)", subject, reference, tol,
                             perturb=lambda q, a: corrupt(a) if q == quantity else a)
     assert [c.check for c in checks if not c.ok] == [quantity]
+    report = doctor.Report(doctor.device_info(), doctor.MemoryInfo("x", 1), doctor.KernelCache(False), None, checks)
+    r = report.to_json()
+    assert r["ok"] is False and r["exit_code"] == 1
+    assert r["failed"] == [f"demo, exact (float32): {doctor.CHECK_NAMES[quantity]}"]
 
 
 def test_rounding_level_differences_pass(demo_outputs):
@@ -124,6 +128,25 @@ def test_fit_says_which_precision_fits(tiny_model_dir):
     assert all(p.needed_bytes > weights for p in roomy.precisions)  # plus the KV cache and working memory
     tight = doctor.precision_fit(tiny_model_dir, args, doctor.MemoryInfo("available RAM", weights))
     assert [p.fits for p in tight.precisions] == [False, False]
+
+
+def test_gpu_memory_and_the_cuda_kernel_cache(monkeypatch, tmp_path):
+    """The GPU-only paths, on this CPU machine with the backend and MLX's device info faked."""
+    monkeypatch.setattr(doctor, "backend_name", lambda: "metal")
+    monkeypatch.setattr(doctor.mx, "device_info", lambda: {"max_recommended_working_set_size": 48 << 30,
+                                                           "memory_size": 64 << 30})
+    assert doctor.usable_memory() == doctor.MemoryInfo("Metal recommended working set", 48 << 30)
+    assert doctor.kernel_cache().applies is False  # Metal kernels are precompiled
+    monkeypatch.setattr(doctor, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(doctor.mx, "device_info", lambda: {"device_name": "H100", "free_memory": 70 << 30})
+    assert doctor.usable_memory().bytes == 70 << 30
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    cold = doctor.kernel_cache()
+    assert cold.applies and cold.files == 0 and cold.note.startswith("empty")
+    (tmp_path / "ptx" / "sub").mkdir(parents=True)
+    (tmp_path / "ptx" / "sub" / "qmm.ptx").write_bytes(b"x" * 1000)
+    warm = doctor.kernel_cache()
+    assert (warm.dir, warm.files, warm.bytes) == (str(tmp_path / "ptx"), 1, 1000) and warm.note.startswith("warm")
 
 
 @pytest.mark.parametrize("make", [lambda p: p / "missing", lambda p: (p / "empty").mkdir() or p / "empty"])
