@@ -14,7 +14,6 @@ import math
 import os
 import socket
 import sys
-import threading
 import time
 from typing import Any
 
@@ -92,20 +91,19 @@ def _raise_fd_limit(want: int) -> None:
 
 
 class _RefusalLog:
-    """Counts refused connections and logs them at most once per REFUSAL_LOG_SECONDS."""
+    """Counts refused connections and logs them at most once per REFUSAL_LOG_SECONDS (a flood
+    of clients must not become a flood of log lines)."""
 
     def __init__(self) -> None:
-        self.count, self.last = 0, 0.0
-        self.lock = threading.Lock()
+        self.count, self.last = 0, -math.inf
 
-    def note(self, why: str) -> None:
-        with self.lock:
-            self.count += 1
-            now = time.monotonic()
-            if now - self.last >= REFUSAL_LOG_SECONDS:
-                log.warning("refused %d connection(s) in the last %.0f s: %s", self.count,
-                            min(now - self.last, REFUSAL_LOG_SECONDS) if self.last else 0, why)
-                self.count, self.last = 0, now
+    def note(self, why: str) -> None:  # on the event loop's thread only
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= REFUSAL_LOG_SECONDS:
+            log.warning("refused %d connection(s): %s (logged at most every %g s)", self.count, why,
+                        REFUSAL_LOG_SECONDS)
+            self.count, self.last = 0, now
 
 
 def guarded_protocol(max_connections: int, header_timeout: float) -> type:
@@ -136,27 +134,33 @@ def guarded_protocol(max_connections: int, header_timeout: float) -> type:
             self._arm()
 
         def _arm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
+            self._disarm()
             self._head_timer = self.loop.call_later(header_timeout, self._head_timeout)
 
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
         def _head_timeout(self) -> None:
-            # IDLE: no whole request head since the connection opened or the last response ended
+            self._head_timer = None
+            # IDLE: the request head is not complete yet (a silent or a slow client)
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
                 self.transport.close()
 
         def data_received(self, data: bytes) -> None:
-            if not self._refused:
-                super().data_received(data)
+            if self._refused:
+                return
+            if self._head_timer is None and self.conn.their_state is h11.IDLE:
+                self._arm()  # the first bytes of a request on a kept-alive connection
+            super().data_received(data)
 
         def on_response_complete(self) -> None:
+            self._disarm()  # between requests the keep-alive timeout applies
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
+            self._disarm()
             if not self._refused:
                 super().connection_lost(exc)
 
