@@ -15,7 +15,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -368,33 +368,25 @@ class Engine:
 
         events = stream_generate(self.model, self.tokenizer, job.prompt, generation_config=self.generation_config,
                                  chat=False, cancel=self._cancelled(job), **job.params)
-        self._consume(job, events, cached=0)
+        self._consume(job, events, lambda: 0)
 
     def _run_chat(self, job: Job) -> None:
         from mlx_dgemma import ChatSession
 
         earlier, user = job.prompt[:-1], job.prompt[-1]["content"]
         s, self._session = self._session, None  # reusable again only if this turn ends cleanly
-        cached = len(s.history) if s is not None else 0
-        reuse = (s is not None and s.enable_thinking == job.enable_thinking and s.messages == earlier
-                 # the cache holds earlier answers with their padding: fall back to a fresh,
-                 # shorter prompt where the continuation would not fit (16 = turn markup)
-                 and cached + len(self.tokenizer.encode(user)) + 16
-                 + self.blocks_tokens(self.max_new_tokens(job.params)) <= self.context)
-        if not reuse:
+        if s is None or s.enable_thinking != job.enable_thinking:
             s = ChatSession(self.model, self.tokenizer, self.generation_config, enable_thinking=job.enable_thinking)
-            s.messages = [dict(m) for m in earlier]  # rendered with the new turn on the first stream()
-            cached = 0
-        else:
-            self.reused_prefixes += 1
-        result, clean = self._consume(job, s.stream(user, cancel=self._cancelled(job), **job.params), cached)
-        # Reuse needs the cache to hold what the next request will send back: the answer as the
-        # client saw it (not cut by stop or max_tokens) and without thoughts (the template drops
-        # earlier thoughts; the cache would keep them).
-        if clean and result is not None and not result.reasoning and s.messages[-1]["content"] == result.content:
+        # The session reuses its cache only where its tokens are a prefix of this conversation's
+        # fresh render (another client's conversation, an edited answer: encoded afresh), so the
+        # answer never depends on what came before this request.
+        s.messages = [dict(m) for m in earlier]
+        result, clean = self._consume(job, s.stream(user, cancel=self._cancelled(job), **job.params),
+                                      lambda: s.cached_tokens)
+        if clean and result is not None:
             self._session = s
 
-    def _consume(self, job: Job, events: Iterator[Any], cached: int) -> tuple[Result | None, bool]:
+    def _consume(self, job: Job, events: Iterator[Any], cached_tokens: Callable[[], int]) -> tuple[Result | None, bool]:
         """Drive one generation, emitting block texts (and steps if asked) and the result as
         soon as the last block is committed: the client does not wait for the cache commit
         that follows it (that is for the next turn). Returns the result (None if cancelled)
@@ -411,6 +403,9 @@ class Engine:
         clean = True
 
         def finish() -> Result:
+            cached = cached_tokens()  # known once the generation has started
+            if cached:
+                self.reused_prefixes += 1  # before the answer goes out: /health agrees with it
             usage = {"prompt_tokens": cached + prefill, "completion_tokens": answer.completion_tokens,
                      "total_tokens": cached + prefill + answer.completion_tokens,
                      "prompt_tokens_details": {"cached_tokens": cached},
