@@ -318,3 +318,62 @@ def test_signal_while_streaming_is_a_clean_stop(tmp_path, sig):
     text = "\n".join(s.lines)
     assert "Traceback" not in text and "CancelledError" not in text, text[-2000:]
     assert s.lines[-1] == "mlx-dgemma serve: stopped", s.lines[-5:]
+
+
+# --------------------------------------------------------------------------- what clients expect (item 4)
+
+
+def test_any_model_name_is_served_by_the_one_model(srv):
+    for path, body in ((C, msg(model="gpt-4o")), ("/v1/completions", {"prompt": "Hi", "model": "x", "max_tokens": 4,
+                                                                      "max_denoising_steps": 1})):
+        status, _, answer = post(srv, body, path)
+        assert status == 200 and answer["model"] == "mlx-dgemma-demo", answer
+    assert srv.raw("GET", "/v1/models/gpt-4o")[0] == 404  # the list and the lookup are unchanged
+
+
+def test_response_format_is_refused_not_ignored(srv):
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, "json"):
+        status, _, body = post(srv, msg(response_format=fmt))
+        assert status == 400 and body["error"]["param"] == "response_format", body
+    assert post(srv, msg(response_format={"type": "text"}))[0] == 200
+
+
+def test_metrics_in_prometheus_text(srv):
+    status, headers, text = srv.raw("GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    values = dict(ln.split() for ln in text.decode().splitlines() if not ln.startswith("#"))
+    assert int(values["mlx_dgemma_requests_served_total"]) >= 1
+    assert int(values["mlx_dgemma_completion_tokens_total"]) >= 1 and "mlx_dgemma_requests_waiting" in values
+
+
+def test_non_loopback_host_without_a_key_warns():
+    from mlx_dgemma.server.cli import host_warning
+
+    assert "--api-key" in host_warning("0.0.0.0", None)
+    assert host_warning("0.0.0.0", "k") is None and host_warning("127.0.0.1", None) is None
+    assert host_warning("::1", None) is None
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    s = Server(str(tmp_path_factory.mktemp("demo-key")), "--api-key", "s3cret", "--cors", "http://app.example")
+    try:
+        s.wait_ready(300)
+        yield s
+    finally:
+        s.stop()
+
+
+def test_api_key_and_cors(keyed):
+    status, headers, body = keyed.raw("GET", "/v1/models")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key" and headers["www-authenticate"] == "Bearer"
+    assert keyed.raw("GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
+    assert keyed.raw("GET", "/health")[0] == 200  # liveness probes need no key
+    status, _, body = keyed.raw("POST", C, json.dumps(msg()), headers={"Authorization": "Bearer s3cret"})
+    assert status == 200, body
+    # a browser's preflight from the allowed origin, and a request from another origin
+    status, headers, _ = keyed.raw("OPTIONS", C, headers={"Origin": "http://app.example",
+                                                         "Access-Control-Request-Method": "POST"})
+    assert status == 200 and headers["access-control-allow-origin"] == "http://app.example"
+    _, headers, _ = keyed.raw("GET", "/health", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in {k.lower() for k in headers}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -43,11 +44,25 @@ class Settings:
 
     max_body_bytes: int = 16 << 20
     read_timeout: float = 10.0  # a request body that stalls this long is answered 408
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on every route but /health
+    cors_origins: tuple[str, ...] = ()  # origins browsers may call from (none: CORS off)
 
 
 def get_engine(request: Request) -> Engine:
     """The running engine (``Depends`` target)."""
     return request.app.state.engine
+
+
+def require_api_key(request: Request) -> None:
+    """With ``--api-key``: the request must carry it as a bearer token (401 otherwise)."""
+    key = request.app.state.settings.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        raise APIError(401, "Authorization: missing or wrong API key; send 'Authorization: Bearer <key>' "
+                       "with the key the server was started with (--api-key)", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
 
 
 def _log_info(request: Request) -> dict[str, Any]:
@@ -100,7 +115,7 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
     if e.status_code == 404:
         return _error(APIError(404, f"{request.method} {request.url.path}: no such route; see /v1/models, "
-                               "/v1/chat/completions, /v1/completions, /health", code="unknown_url"))
+                               "/v1/chat/completions, /v1/completions, /health, /metrics", code="unknown_url"))
     if e.status_code == 405:
         return _error(APIError(405, f"{request.method} {request.url.path}: method not allowed",
                                code="method_not_allowed"))
@@ -224,10 +239,11 @@ class BodyLimit:
 
 # --------------------------------------------------------------------------- routes
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(require_api_key)])
+open_router = APIRouter()  # no key needed: liveness probes
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+@open_router.api_route("/health", methods=["GET", "HEAD"])
 async def health(engine: Engine = Depends(get_engine)) -> JSONResponse:
     ok = engine.alive
     return JSONResponse({"status": "ok" if ok else "down", "model": engine.model_id,
@@ -240,6 +256,16 @@ async def health(engine: Engine = Depends(get_engine)) -> JSONResponse:
 @router.api_route("/v1/models", methods=["GET", "HEAD"])
 async def models(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
     return {"object": "list", "data": [model_card(engine.model_id, engine.created)]}
+
+
+@router.api_route("/metrics", methods=["GET", "HEAD"])
+async def metrics(engine: Engine = Depends(get_engine)) -> Response:
+    """Prometheus text format: the engine's counters and gauges."""
+    lines = []
+    for name, kind, value, help_text in engine.metrics():
+        lines += [f"# HELP mlx_dgemma_{name} {help_text}", f"# TYPE mlx_dgemma_{name} {kind}",
+                  f"mlx_dgemma_{name} {value}"]
+    return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
 @router.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
@@ -266,8 +292,7 @@ def _thinking(body: ChatRequest) -> bool:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, engine: Engine = Depends(get_engine)) -> Response:
-    if body.model is not None and body.model != engine.model_id:
-        raise _unknown_model(engine, body.model)
+    # any model name is served by the one model (clients hard-code names); responses name ours
     messages = normalize_messages(body.messages)
     last = len(messages) - 1
     if messages[-1]["role"] != "user":
@@ -284,8 +309,6 @@ async def chat_completions(body: ChatRequest, request: Request, engine: Engine =
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, engine: Engine = Depends(get_engine)) -> Response:
-    if body.model is not None and body.model != engine.model_id:
-        raise _unknown_model(engine, body.model)
     params = engine.sampler_overrides(body, body.max_tokens)
     ids = await run_in_threadpool(engine.prepare_completion, body.prompt, params)
     return await _submit(request, engine, "completion", body, ids, _answer_cap(params), params, False)
@@ -399,7 +422,13 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.include_router(open_router)
     app.include_router(router)
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, read_timeout=settings.read_timeout)
+    if settings.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=["GET", "HEAD", "POST", "OPTIONS"], allow_headers=["*"], max_age=600)
     app.add_middleware(RequestLog)  # added last: the outermost of ours
     return app

@@ -39,6 +39,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "finish_reason 'length' (default: no limit)")
     p.add_argument("--max-connections", type=int, default=256, metavar="N",
                    help="open connections at most; more are refused with 503 and closed (default 256)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$MLX_DGEMMA_API_KEY, else none)")
+    p.add_argument("--cors", action="append", default=None, metavar="ORIGIN",
+                   help="let browser pages from ORIGIN call the API (repeat it, or '*' for any; default: "
+                        "none, so that a web page cannot drive a local server)")
     p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                    help="close a connection that has not sent a whole request head within S seconds, "
                         "and a body that stalls for S seconds (default 10)")
@@ -60,6 +66,22 @@ def check_args(args: argparse.Namespace) -> None:
     if args.max_connections < 1:
         raise ParameterError(f"--max-connections {args.max_connections}: must be at least 1")
     finite("--header-timeout", args.header_timeout, 0.1, 3600)
+    if args.api_key is not None and (not args.api_key.strip() or not args.api_key.isprintable()):
+        raise ParameterError("--api-key: must be a non-empty printable string")
+    for origin in args.cors or ():
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise ParameterError(f"--cors {origin}: must be '*' or an origin such as http://localhost:3000")
+
+
+LOOPBACK = ("127.", "::1", "localhost")
+
+
+def host_warning(host: str, api_key: str | None) -> str | None:
+    """A line for a server reachable from other machines without a key, else None."""
+    if api_key is None and not host.startswith(LOOPBACK):
+        return (f"mlx-dgemma serve: warning: listening on {host} without --api-key: anyone who can reach "
+                "this port can use the model")
+    return None
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -173,12 +195,15 @@ def _settings(args: argparse.Namespace) -> tuple[Any, Any]:
 
     limits = Limits(queue_size=args.queue_size, max_request_steps=args.max_request_steps,
                     max_request_seconds=args.max_request_seconds)
-    settings = Settings(max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.header_timeout)
+    settings = Settings(max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.header_timeout,
+                        api_key=args.api_key, cors_origins=tuple(args.cors or ()))
     return limits, settings
 
 
 def main(args: argparse.Namespace) -> int:
     """``mlx-dgemma serve``: check the flags, listen, load the model, serve until interrupted."""
+    if args.api_key is None:
+        args.api_key = os.environ.get("MLX_DGEMMA_API_KEY") or None
     check_args(args)
     from mlx_dgemma.loader import check_model_choice
 
@@ -216,6 +241,9 @@ def main(args: argparse.Namespace) -> int:
     server = Server(config)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
+    warning = host_warning(args.host, args.api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     print(f"mlx-dgemma serve: {engine.model_id} ({engine.precision}) on http://{shown}:{port}/v1 (Ctrl+C to stop)",
           file=sys.stderr, flush=True)
     try:

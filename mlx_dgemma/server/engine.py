@@ -132,6 +132,8 @@ class Engine:
         self.served = 0
         self.reused_prefixes = 0
         self.stopping = False
+        self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "steps": 0,
+                       "cancelled": 0, "refused": 0}
         self._session: Any = None  # the last conversation's ChatSession, if reusable
         self._durations: deque[float] = deque(maxlen=32)  # seconds of recent jobs (for Retry-After)
         self.worker: ModelWorker[None] = ModelWorker(self._load, max_waiting=self.limits.queue_size,
@@ -198,6 +200,7 @@ class Engine:
             self.worker.submit(lambda t: self._run_job(job, t), skipped=lambda t: self._skip(job),
                                cancel=job.cancel)
         except WorkerBusy as e:
+            self.totals["refused"] += 1
             wait = self.retry_after()
             raise APIError(503, f"server busy: {e.waiting} requests are waiting; retry in {wait} s",
                            type="server_error", code="server_busy", headers={"Retry-After": str(wait)}) from None
@@ -205,6 +208,20 @@ class Engine:
             raise APIError(503, "the model worker is not running; restart the server", type="server_error",
                            code="engine_down") from None
         job.submitted = True
+
+    def metrics(self) -> list[tuple[str, str, float, str]]:
+        """(name, Prometheus type, value, help) for ``/metrics``."""
+        t = self.totals
+        return [("requests_served_total", "counter", self.served, "requests the worker ran to an end"),
+                ("requests_cancelled_total", "counter", t["cancelled"], "requests stopped before their answer"),
+                ("requests_refused_total", "counter", t["refused"], "requests refused with 503 (queue full)"),
+                ("prompt_tokens_total", "counter", t["prompt_tokens"], "prompt tokens of answered requests"),
+                ("prompt_tokens_cached_total", "counter", t["cached_tokens"], "prompt tokens taken from the cache"),
+                ("completion_tokens_total", "counter", t["completion_tokens"], "tokens answered"),
+                ("denoising_steps_total", "counter", t["steps"], "decoder passes (denoising steps)"),
+                ("requests_waiting", "gauge", self.waiting, "requests waiting for the worker"),
+                ("worker_busy", "gauge", int(self.busy), "1 while the worker runs a request"),
+                ("memory_bytes", "gauge", self.memory_bytes, "memory the process holds after the last job")]
 
     # request preparation (handler threads; no MLX) ------------------------
     def sampler_overrides(self, req: Sampling, max_tokens: int | None) -> dict[str, Any]:
@@ -410,6 +427,9 @@ class Engine:
                      "total_tokens": cached + prefill + answer.completion_tokens,
                      "prompt_tokens_details": {"cached_tokens": cached},
                      "completion_tokens_details": {"reasoning_tokens": answer.reasoning_tokens}}
+            self.totals["prompt_tokens"] += cached + prefill
+            self.totals["cached_tokens"] += cached
+            self.totals["completion_tokens"] += answer.completion_tokens
             job.stats.update(prompt=cached + prefill, cached=cached, completion=answer.completion_tokens,
                              reasoning=answer.reasoning_tokens, finish=answer.finish_reason)
             r = Result(answer.content, answer.reasoning, answer.finish_reason, usage)
@@ -442,12 +462,14 @@ class Engine:
         if not clean:
             getattr(events, "close", lambda: None)()  # ends the core's generator at its current yield
         if done is not None:
+            self.totals["steps"] += done.steps
             job.stats.update(steps=done.steps, s_per_step=round(done.seconds_per_step, 4),
                              tok_per_fwd=round(done.tokens_per_forward, 2))
         if result is None and job.stats.get("timeout") and not job.cancel.is_set():
             result = finish()  # --max-request-seconds: what is committed, finish_reason "length"
             clean = False
         if result is None:  # cancelled (the client left, or the server stops) before the last block
+            self.totals["cancelled"] += 1
             job.stats.update(finish="cancelled")
             job.emit(*(("error", self._shutdown_error()) if self.stopping else ("done", None)))
             return None, False

@@ -87,6 +87,18 @@ class Sampling(Body):
     confidence_threshold: _rule("confidence_threshold") = None
     sc_top_k: _rule("sc_top_k") = None
     diffusion: DiffusionOptions | None = None
+    response_format: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v: Any) -> Any:
+        """Plain text only: a JSON answer cannot be guaranteed, so asking for one is refused
+        rather than ignored."""
+        if v is None or isinstance(v, dict) and v.get("type") == "text":
+            return v
+        kind = v.get("type") if isinstance(v, dict) else v
+        raise ValueError(f"{kind!r} is not supported: this server cannot constrain the answer to JSON; "
+                         "leave response_format out (or use {'type': 'text'}) and validate the answer yourself")
 
     @field_validator("n")
     @classmethod

@@ -1,0 +1,83 @@
+"""The server package's place in the layout (issue 22 item 4): it uses the core, the core
+never uses it, and no import cycle passes through it or the core's model worker (the
+command line imports the server, never the reverse). Read from the sources with `ast`,
+function-level imports included."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(ROOT / "mlx_dgemma").with_suffix("")
+    parts = ["mlx_dgemma", *rel.parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _edges() -> dict[str, set[str]]:
+    """module -> mlx_dgemma modules it imports (core and server files)."""
+    files = sorted((ROOT / "mlx_dgemma").glob("*.py")) + sorted((ROOT / "mlx_dgemma" / "server").glob("*.py"))
+    known = {_module(f) for f in files}
+    out: dict[str, set[str]] = {}
+    for f in files:
+        mod = _module(f)
+        pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        deps = out.setdefault(mod, set())
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            for n in names:
+                while n and n not in known:
+                    n = n.rpartition(".")[0]
+                if n and n != mod and n != "mlx_dgemma":
+                    deps.add(n)
+    return out
+
+
+def test_no_import_cycle_through_the_server_or_the_worker():
+    edges = _edges()
+    watched = [m for m in edges if m.startswith("mlx_dgemma.server") or m == "mlx_dgemma.worker"]
+    assert "mlx_dgemma.server.app" in watched and "mlx_dgemma.worker" in watched
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            for d in edges.get(m, ()):
+                if d == goal:
+                    return True
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        return False
+
+    cycles = [m for m in watched if reaches(m, m)]
+    assert not cycles, f"import cycles through {cycles}"
+    assert "mlx_dgemma.cli" not in set().union(*(edges[m] for m in watched))
+
+
+def test_the_core_never_imports_the_server():
+    edges = _edges()
+    bad = [f"{m} -> {d}" for m, ds in edges.items() if not m.startswith("mlx_dgemma.server") and m != "mlx_dgemma.cli"
+           for d in ds if d.startswith("mlx_dgemma.server")]
+    assert not bad, bad
+
+
+def test_help_does_not_import_the_web_stack():
+    # `mlx-dgemma --help` builds serve's parser: server.cli only, not FastAPI or uvicorn
+    code = ("import sys; from mlx_dgemma.cli import build_parser; build_parser(); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'uvicorn', 'pydantic')); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
