@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 
 from mlx_dgemma.server.engine import Engine, Limits
-from mlx_dgemma.server.errors import APIError, ContextLengthError
+from mlx_dgemma.server.errors import ContextLengthError
 from mlx_dgemma.server.openai import Answer
 from tests.test_server import LiveServer, _Tok, _add, wait_for
 
@@ -356,7 +355,8 @@ def test_non_loopback_host_without_a_key_warns():
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    s = Server(str(tmp_path_factory.mktemp("demo-key")), "--api-key", "s3cret", "--cors", "http://app.example")
+    s = Server(str(tmp_path_factory.mktemp("demo-key")), "--api-key", "s3cret", "--cors", "http://app.example",
+               "--max-request-seconds", "4")
     try:
         s.wait_ready(300)
         yield s
@@ -377,3 +377,12 @@ def test_api_key_and_cors(keyed):
     assert status == 200 and headers["access-control-allow-origin"] == "http://app.example"
     _, headers, _ = keyed.raw("GET", "/health", headers={"Origin": "http://evil.example"})
     assert "access-control-allow-origin" not in {k.lower() for k in headers}
+
+
+def test_max_request_seconds_answers_what_is_done(keyed):
+    t0 = time.perf_counter()
+    status, _, body = keyed.raw("POST", C, json.dumps(msg("a long one", **HOLD)),
+                                headers={"Authorization": "Bearer s3cret"})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+    assert time.perf_counter() - t0 < 30  # not the ~40 steps the request asked for
+    assert wait_for(lambda: any("timeout=True" in ln for ln in keyed.request_lines()), 10)
