@@ -81,3 +81,25 @@ def test_help_does_not_import_the_web_stack():
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'uvicorn', 'pydantic')); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_app_starts_and_stops_its_engine_in_the_lifespan(tmp_path, monkeypatch):
+    # in process, without the command line: the lifespan loads the model on the worker and,
+    # at shutdown, stops the worker; routes reach the engine through app.state and Depends
+    from fastapi.testclient import TestClient
+
+    from mlx_dgemma.server import Engine, create_app
+
+    monkeypatch.setenv("MLX_DGEMMA_CACHE", str(tmp_path))
+    engine = Engine(demo=True)
+    app = create_app(engine)
+    assert not engine.alive
+    with TestClient(app) as client:
+        assert app.state.engine is engine and engine.alive
+        assert client.get("/health").json()["model"] == "mlx-dgemma-demo"
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 4, "max_denoising_steps": 1, "seed": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+        r = client.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("body: not valid JSON (Expecting")
+    assert not engine.alive and not engine.worker.busy
