@@ -103,3 +103,30 @@ def test_the_app_starts_and_stops_its_engine_in_the_lifespan(tmp_path, monkeypat
         r = client.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("body: not valid JSON (Expecting")
     assert not engine.alive and not engine.worker.busy
+
+
+def test_validation_errors_keep_the_bodies_of_the_single_module_server():
+    # FastAPI validates the typed bodies; the handler keeps the words the server answered
+    # before it did (taken from that server's answers), without loading any model
+    from fastapi.testclient import TestClient
+
+    from mlx_dgemma.server import Engine, create_app
+
+    client = TestClient(create_app(Engine(demo=True)))  # no lifespan: the model never loads
+    cases = [
+        (b"", "body: empty; send a JSON object", None),
+        (b"[1, 2]", "body: expected a JSON object, got list", None),
+        (b"null", "body: expected a JSON object, got NoneType", None),
+        (b"{", "body: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
+               "send a JSON object", None),
+        (b'{"messages": [1]}', "messages[0]: Input should be a valid dictionary or instance of Message", "messages[0]"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "stream_options": 3}',
+         "stream_options: Input should be a valid dictionary or instance of StreamOptions", "stream_options"),
+        (b'{"messages": [{"role": "wizard", "content": "hi"}]}',
+         "messages[0].role: Input should be 'system', 'developer', 'user' or 'assistant'", "messages[0].role"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', "n: only n=1 is supported", "n"),
+    ]
+    for body, message, param in cases:
+        r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json() == {"error": {"message": message, "type": "invalid_request_error",
+                                                               "param": param, "code": None}}, (body, r.json())

@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -79,9 +80,19 @@ def _param(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def validation_error(exc: RequestValidationError, raw: bytes | None) -> APIError:
-    """The first problem of a request body as the 400 that names its field."""
+BODY_MODELS = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest}
+
+
+def validation_error(exc: RequestValidationError, raw: bytes | None, model: type | None = None) -> APIError:
+    """The first problem of a request body as the 400 that names its field. With the body's
+    ``model``, the error is pydantic's own for that model (the words a client got before FastAPI
+    validated the bodies, e.g. "a valid dictionary or instance of Message")."""
     err = exc.errors()[0]
+    if model is not None and isinstance(exc.body, dict):
+        try:
+            model.model_validate(exc.body)
+        except ValidationError as e:
+            err = {**e.errors(include_url=False)[0], "loc": ("body", *e.errors(include_url=False)[0]["loc"])}
     loc = tuple(err.get("loc", ()))
     if err.get("type") == "json_invalid":
         doc = exc.body if isinstance(exc.body, str) else ""
@@ -109,7 +120,8 @@ async def _api_error(request: Request, e: APIError) -> JSONResponse:
 
 
 async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-    return await _api_error(request, validation_error(e, request.scope.get(RAW_BODY)))
+    model = BODY_MODELS.get(request.url.path)
+    return await _api_error(request, validation_error(e, request.scope.get(RAW_BODY), model))
 
 
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
