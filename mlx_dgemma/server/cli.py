@@ -99,17 +99,26 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _raise_fd_limit(want: int) -> None:
-    """Open files: room for ``want`` connections plus the model's files and the log."""
+def _raise_fd_limit(connections: int) -> None:
+    """Open files: room for ``connections`` plus the model's files and the log (raised up to the
+    hard limit); where that is not possible, refuse the flag: past the limit every accept fails
+    and asyncio logs each failure, thousands of lines a second."""
     try:
         import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        target = want + 256 if hard == resource.RLIM_INFINITY else min(hard, want + 256)
-        if soft != resource.RLIM_INFINITY and soft < target:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (ImportError, ValueError, OSError):
-        pass
+    except ImportError:  # not POSIX
+        return
+    want = connections + 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    target = want if hard == resource.RLIM_INFINITY else min(hard, want)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        target = soft
+    if target < want:
+        raise ParameterError(f"--max-connections {connections}: this process may open only {target} files "
+                             f"(ulimit -n); lower --max-connections to at most {max(1, target - 64)} or raise the limit")
 
 
 class _RefusalLog:
@@ -209,6 +218,7 @@ def main(args: argparse.Namespace) -> int:
 
     check_model_choice(args.model, args.demo)
     limits, settings = _settings(args)
+    _raise_fd_limit(args.max_connections)
     sock = listen(args.host, args.port)  # before loading: a taken port fails fast
     import uvicorn
 
@@ -226,7 +236,6 @@ def main(args: argparse.Namespace) -> int:
         # thread can abort it ("terminate called without an active exception"), see below
         print(f"mlx-dgemma serve: error: {e}", file=sys.stderr, flush=True)
         os._exit(e.exit_code)
-    _raise_fd_limit(args.max_connections)
     app = create_app(engine, settings)
     # keep-alive 30 s: clients that reuse a connection between turns rarely find it closed
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10,
