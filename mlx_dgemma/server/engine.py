@@ -293,11 +293,12 @@ class Engine:
                            "max_denoising_steps or max_tokens", param=field, code="work_budget_exceeded")
         return cap
 
-    def _check_size(self, texts: list[tuple[str, str]], total_param: str) -> None:
+    def _check_size(self, texts: list[tuple[str, str]], total_param: str, rendered: bool = True) -> None:
         """Reject text that cannot fit before any rendering or tokenizing: every token holds at
-        most ``max_token_bytes`` bytes of text, so N bytes are at least N / max_token_bytes tokens."""
+        most ``max_token_bytes`` bytes of text, so N bytes are at least N / max_token_bytes tokens;
+        ``rendered`` text must also fit the chat template's output budget."""
         for name, text in texts:
-            if len(text) > RENDER_CHARS:
+            if rendered and len(text) > RENDER_CHARS:
                 raise ContextLengthError(f"{name}: {len(text)} characters; a prompt holds at most "
                                          f"{RENDER_CHARS} (the chat template's budget); shorten it", name)
         n_bytes = sum(len(t.encode("utf-8")) for _, t in texts)
@@ -323,7 +324,7 @@ class Engine:
 
     def prepare_completion(self, prompt: str | list[int], params: dict[str, Any]) -> list[int]:
         if isinstance(prompt, str):
-            self._check_size([("prompt", prompt)], "prompt")
+            self._check_size([("prompt", prompt)], "prompt", rendered=False)
             ids = self.tokenizer.encode(prompt, add_bos=True)
         else:
             V = int(self.model.args.vocab_size)
