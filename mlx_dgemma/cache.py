@@ -118,6 +118,27 @@ class LayerCache:
     def state(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values, self.pos]
 
+    def checkpoint(self) -> tuple:
+        """What :meth:`rollback` needs to return here: the position count, and on sliding
+        layers a copy of the ring (later positions overwrite its slots); a global layer only
+        appends, so its count is enough."""
+        ring = None
+        if self.sliding and self.keys is not None:
+            ring = (mx.array(self.keys), mx.array(self.values), mx.array(self.pos))
+        return self.count, ring
+
+    def rollback(self, checkpoint: tuple) -> None:
+        """Forget every position written since ``checkpoint`` was taken."""
+        count, ring = checkpoint
+        if self.sliding:
+            if ring is None:
+                self.keys = self.values = self.pos = None
+            else:
+                self.keys, self.values, self.pos = (mx.array(a) for a in ring)
+        elif self.pos is not None and count < self.count:
+            self.pos[count:] = -1  # emptied slots are never attended (masks are built from pos)
+        self.count = count
+
     def with_state(self, arrays: list[mx.array]) -> "LayerCache":
         """A read-only view over given arrays (used inside a compiled step)."""
         view = LayerCache(self.sliding, self.window, self.bucket)
@@ -154,6 +175,17 @@ class KVCache:
 
     def state(self) -> list[mx.array]:
         return [a for c in self.layers for a in c.state()]
+
+    def checkpoint(self) -> tuple:
+        """A point :meth:`rollback` can return to (costs a copy of the sliding layers' rings)."""
+        return int(self.offset), [c.checkpoint() for c in self.layers]
+
+    def rollback(self, checkpoint: tuple) -> None:
+        """Return to ``checkpoint``: positions written since are forgotten, as if never encoded."""
+        offset, layers = checkpoint
+        for c, ck in zip(self.layers, layers):
+            c.rollback(ck)
+        self.offset = offset
 
     def view(self, arrays: list[mx.array], offset: mx.array) -> "KVCache":
         """A view with the given state arrays and an array offset (for mx.compile)."""

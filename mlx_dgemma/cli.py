@@ -256,7 +256,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .server import main as serve_main
+    from .server.cli import main as serve_main
 
     return serve_main(args)
 
@@ -299,7 +299,10 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=_cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streamed blocks and steps)")
-    from .server import add_args as add_serve_args
+    s.add_argument("--model", help="converted directory or .gguf file")
+    s.add_argument("--demo", action="store_true", help=DEMO_HELP)
+    add_precision_args(s)
+    from .server.cli import add_args as add_serve_args
 
     add_serve_args(s)
     s.set_defaults(func=_cmd_serve)

@@ -2,7 +2,8 @@
 
 ``denoise_block`` (a step generator over one canvas) -> ``stream_generate`` (frozen event
 dataclasses: steps, committed blocks, a final summary) -> ``generate`` (the text).
-``ChatSession`` keeps the KV cache between turns so a follow-up only prefills new tokens.
+``ChatSession`` keeps the KV cache between turns so a follow-up only prefills new tokens
+(where they extend a fresh render of the conversation).
 The CLI and the TUI use only ``stream_generate`` / ``ChatSession.stream``.
 """
 
@@ -27,13 +28,6 @@ from .model import DEFAULT_PREFILL_CHUNK, DiffusionGemma
 from .sampler import SamplerParams, finalize_block, temperature
 from .step import StepFunction
 from .tokenizer import Tokenizer
-
-
-# A follow-up turn in the Gemma 4 turn format (the cache already holds everything before it).
-CONTINUATION_TEMPLATE = (
-    "{% for m in messages %}{{ '<|turn>user\\n' + (m['content'] | trim) + '<turn|>\\n<|turn>model\\n' }}"
-    "{% if not enable_thinking %}{{ '<|channel>thought\\n<channel|>' }}{% endif %}{% endfor %}"
-)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -97,8 +91,15 @@ def _model_defaults(model: DiffusionGemma, generation_config: dict | None) -> di
 
 
 class ChatSession:
-    """A conversation: the cache and the token history persist across turns. Sampler defaults
-    come from ``generation_config``, else the model's own."""
+    """A conversation whose KV cache is reused between turns where that cannot change the answer.
+
+    The cache only ever holds tokens that a fresh render of the conversation holds too: each
+    turn renders the whole conversation with the chat template and reuses the cache only if
+    its tokens are a prefix of that render (mlx-lm's prompt cache works the same way), so a
+    cache hit changes the speed, never the prompt. After an answer the cache returns to the
+    end of the user's turn (dropping the generation prompt and the committed blocks, padding
+    included) and encodes the answer as the template renders an earlier assistant turn.
+    Sampler defaults come from ``generation_config``, else the model's own."""
 
     def __init__(self, model: DiffusionGemma, tokenizer: Tokenizer, generation_config: dict | None = None,
                  dtype: mx.Dtype | None = None, enable_thinking: bool = False, system: str | None = None):
@@ -107,7 +108,8 @@ class ChatSession:
         self.enable_thinking = enable_thinking
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.cache = model.make_cache()
-        self.history: list[int] = []  # every token in the cache, in order
+        self.history: list[int] = []  # every token in the cache, in order: a prefix of a fresh render
+        self.cached_tokens = 0  # tokens the last turn took from the cache instead of encoding them
         self.prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK
 
     def reset(self) -> None:
@@ -115,44 +117,60 @@ class ChatSession:
         self.history = []
         self.messages = [m for m in self.messages if m["role"] == "system"]
 
-    def _new_prompt_tokens(self, user: str) -> list[int]:
-        """The tokens to prefill for this turn: the whole rendered prompt on the first turn;
-        afterwards only the new turn's markup, since the cache already holds the conversation
-        (committed blocks included, pads after EOS too, as transformers' cache would)."""
-        self.messages.append({"role": "user", "content": user})
-        if not self.history:
-            text = render_chat(self.messages, self.tokenizer.chat_template, enable_thinking=self.enable_thinking)
-        else:
-            text = "\n" + render_chat([{"role": "user", "content": user}], CONTINUATION_TEMPLATE,
-                                       enable_thinking=self.enable_thinking)
-        return self.tokenizer.encode(text)
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        return self.tokenizer.encode(render_chat(messages, self.tokenizer.chat_template,
+                                                 add_generation_prompt=generation_prompt,
+                                                 enable_thinking=self.enable_thinking))
 
     def stream(self, user: str, cancel: Callable[[], bool] | None = None, **overrides: Any) -> Iterator[Event]:
-        """Answer ``user``; yields events (see :func:`stream_generate`)."""
+        """Answer ``user``; yields events (see :func:`stream_generate`). The consumer should
+        iterate to the end: after the DoneEvent the cache is brought up to the answer."""
         if not isinstance(user, str) or not user.strip():
             raise ParameterError("prompt: empty; give some text")
-        new = self._new_prompt_tokens(user)
         params = self.params.with_overrides(**overrides)
-        if self.cache.offset != len(self.history):
-            # an earlier turn stopped mid-way (a cancelled prefill, a consumer that stopped
-            # iterating): its cache no longer matches the history, so encode it all again
-            self.cache = self.model.make_cache()
-            new, self.history = self.history + new, []
+        messages = self.messages + [{"role": "user", "content": user}]
+        full = self._render(messages, True)
+        # the end of the user's turn: what the next turn's render shares with this one
+        turn = self._render(messages, False)
+        if full[:len(turn)] != turn:
+            turn = []
+        n = len(self.history)
+        if self.cache.offset != n or full[:n] != self.history:
+            # not a prefix of this render (an edited conversation, another client's, a turn
+            # stopped mid-way): encode it all again
+            self.cache, self.history, n = self.model.make_cache(), [], 0
+        self.cached_tokens = n
+        mark = max(len(turn), n)
+        saved: list[tuple] = []
         answer_ids: list[int] = []
         finished = False
         try:
-            for ev in _run(self.model, self.tokenizer, self.cache, new, params, self.dtype, cancel,
-                           history_len=len(self.history), commit_last=True, chunk_size=self.prefill_chunk_size):
+            for ev in _run(self.model, self.tokenizer, self.cache, full[n:], params, self.dtype, cancel,
+                           history_len=n, chunk_size=self.prefill_chunk_size,
+                           checkpoint=(mark - n, lambda: saved.append(self.cache.checkpoint()))):
                 if isinstance(ev, DoneEvent):
                     answer_ids = list(ev.tokens)
                 yield ev
             finished = True
         finally:
-            if not finished and self.messages and self.messages[-1]["role"] == "user":
-                self.messages.pop()  # the consumer stopped iterating: this turn did not happen
-        self.history += new + answer_ids
-        self.messages.append({"role": "assistant", "content": parse_answer(
-            self.tokenizer.decode(answer_ids)).answer})
+            if not finished:  # the consumer stopped iterating: this turn did not happen
+                self.history = []
+        if not saved:
+            self.cache, self.history = self.model.make_cache(), []
+            return
+        answer = parse_answer(self.tokenizer.decode(answer_ids)).answer
+        self.messages = messages + [{"role": "assistant", "content": answer}]
+        # back to the end of the user's turn, then the answer as a fresh render holds it
+        self.cache.rollback(saved[0])
+        after = self._render(self.messages, False)
+        if after[:mark] != full[:mark]:
+            self.cache, self.history = self.model.make_cache(), []
+            return
+        if len(after) > mark:
+            self.model.prefill(mx.array([after[mark:]], dtype=mx.int32), self.cache,
+                               dtype=self.dtype or getattr(self.model, "activation_dtype", mx.float32),
+                               chunk_size=self.prefill_chunk_size)
+        self.history = after
 
 
 def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | list[dict[str, str]] | list[int],
@@ -193,9 +211,10 @@ def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | l
 
 def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[int], p: SamplerParams,
          dtype: mx.Dtype, cancel: Callable[[], bool] | None, history_len: int,
-         commit_last: bool = False, chunk_size: int | None = DEFAULT_PREFILL_CHUNK) -> Iterator[Event]:
-    """Prefill ``ids`` into ``cache`` (in chunks) and generate. ``commit_last`` also encodes
-    the final block, so a chat session's cache holds the whole answer for the next turn."""
+         chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
+         checkpoint: tuple[int, Callable[[], None]] | None = None) -> Iterator[Event]:
+    """Prefill ``ids`` into ``cache`` (in chunks) and generate. ``checkpoint`` (k, call): call
+    ``call()`` once the first k of ``ids`` are encoded (a chat session returns there later)."""
     C = model.args.canvas_length
     n_blocks = math.ceil(p.max_new_tokens / C)
     limit = model.args.max_position_embeddings
@@ -214,13 +233,19 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
     key = mx.random.key(p.seed if p.seed is not None else time.time_ns() % (2**63))
     t0 = time.perf_counter()
     chunked = chunk_size is not None and len(ids) > chunk_size  # progress only for prompts of several chunks
-    for done in model.prefill_chunks(mx.array([ids], dtype=mx.int32), cache, dtype=dtype, chunk_size=chunk_size):
-        if chunked:
-            yield PrefillProgressEvent(done, len(ids), time.perf_counter() - t0)
-        if done < len(ids) and cancel is not None and cancel():
-            yield DoneEvent("", "", (), "cancelled", len(ids), time.perf_counter() - t0, 0.0, 0, (), 0.0, 0.0, 0.0,
-                            peak_memory_bytes())
-            return
+    split = min(max(checkpoint[0], 0), len(ids)) if checkpoint is not None else len(ids)
+    for start, part in ((0, ids[:split]), (split, ids[split:])):
+        if part:
+            for done in model.prefill_chunks(mx.array([part], dtype=mx.int32), cache, dtype=dtype,
+                                             chunk_size=chunk_size):
+                if chunked:
+                    yield PrefillProgressEvent(start + done, len(ids), time.perf_counter() - t0)
+                if start + done < len(ids) and cancel is not None and cancel():
+                    yield DoneEvent("", "", (), "cancelled", len(ids), time.perf_counter() - t0, 0.0, 0, (), 0.0,
+                                    0.0, 0.0, peak_memory_bytes())
+                    return
+        if start == 0 and checkpoint is not None:
+            checkpoint[1]()
     prefill_s = time.perf_counter() - t0
     yield PrefillEvent(len(ids), prefill_s)
     out: list[int] = []
@@ -253,7 +278,7 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
         parsed = parse_answer(raw)
         yield BlockEvent(b, tuple(block), result.steps, finished, parsed.answer, parsed.thinking, raw)
         last = finished or b + 1 == n_blocks
-        if not last or commit_last:  # commit the block through the encoder
+        if not last:  # commit the block through the encoder: the next block's canvas reads it
             model.prefill(mx.array([block], dtype=mx.int32), cache, dtype=dtype)
         if finished:
             reason = "eos"

@@ -1,0 +1,30 @@
+"""``mlx-dgemma serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+- :mod:`.schemas`: the request bodies (pydantic; the sampler fields' ranges are the core's);
+- :mod:`.openai`: the answer as the client sees it, stream deltas, response objects;
+- :mod:`.engine`: requests shaped for the core and run on its model worker;
+- :mod:`.app`: the FastAPI app (lifespan, ``app.state.engine`` via ``Depends``, error handlers,
+  request log, body limit);
+- :mod:`.cli`: the flags, the listening socket, the connection guard, uvicorn.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``GET /health`` (GET routes answer HEAD too). Errors are OpenAI-style JSON objects.
+Names are imported lazily: ``mlx-dgemma --help`` loads :mod:`.cli` only, not FastAPI.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {"Answer": "openai", "Deltas": "openai", "Formatter": "openai", "Result": "openai",
+         "Engine": "engine", "Job": "engine", "Limits": "engine", "load_model": "engine",
+         "create_app": "app", "Settings": "app", "APIError": "errors", "main": "cli", "add_args": "cli"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

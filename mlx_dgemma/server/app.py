@@ -1,0 +1,446 @@
+"""The FastAPI application: routes, the error handlers, the request log and the body limit.
+
+The :class:`~mlx_dgemma.server.engine.Engine` lives in ``app.state.engine`` and reaches the
+routes through ``Depends(get_engine)``; the lifespan starts it (unless the command line
+already has, to report a load error as one line before listening) and stops it (cancels
+the running and waiting jobs, joins the worker). Request bodies are pydantic models
+(:mod:`mlx_dgemma.server.schemas`); one handler turns every validation error into the
+OpenAI-style 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from .engine import Engine, Job, normalize_messages
+from .errors import APIError
+from .openai import Deltas, Formatter, model_card, sse
+from .schemas import ChatRequest, CompletionRequest, Sampling
+
+log = logging.getLogger("mlx_dgemma.server")
+
+MAX_DRAIN_BYTES = 256 << 20  # an oversized body is read and dropped up to this size, then the connection closed
+RAW_BODY = "mlx_dgemma.body"  # scope key: the request body as received (the validation handler reads it)
+LOG_INFO = "mlx_dgemma.log"  # scope key: what the request's log line reports
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The HTTP side's settings (the command line's flags)."""
+
+    max_body_bytes: int = 16 << 20
+    read_timeout: float = 10.0  # a request body that stalls this long is answered 408
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on every route but /health
+    cors_origins: tuple[str, ...] = ()  # origins browsers may call from (none: CORS off)
+
+
+def get_engine(request: Request) -> Engine:
+    """The running engine (``Depends`` target)."""
+    return request.app.state.engine
+
+
+def require_api_key(request: Request) -> None:
+    """With ``--api-key``: the request must carry it as a bearer token (401 otherwise)."""
+    key = request.app.state.settings.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        raise APIError(401, "Authorization: missing or wrong API key; send 'Authorization: Bearer <key>' "
+                       "with the key the server was started with (--api-key)", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+def _log_info(request: Request) -> dict[str, Any]:
+    return request.scope.setdefault(LOG_INFO, {})
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+BODY_MODELS = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest}
+
+
+def validation_error(exc: RequestValidationError, raw: bytes | None, model: type | None = None) -> APIError:
+    """The first problem of a request body as the 400 that names its field. With the body's
+    ``model``, the error is pydantic's own for that model (the words a client got before FastAPI
+    validated the bodies, e.g. "a valid dictionary or instance of Message")."""
+    err = exc.errors()[0]
+    if model is not None and isinstance(exc.body, dict):
+        try:
+            model.model_validate(exc.body)
+        except ValidationError as e:
+            err = {**e.errors(include_url=False)[0], "loc": ("body", *e.errors(include_url=False)[0]["loc"])}
+    loc = tuple(err.get("loc", ()))
+    if err.get("type") == "json_invalid":
+        doc = exc.body if isinstance(exc.body, str) else ""
+        pos = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else 0
+        detail = json.JSONDecodeError(err.get("ctx", {}).get("error", "invalid JSON"), doc, pos)
+        return APIError(400, f"body: not valid JSON ({detail}); send a JSON object")
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    if not loc:  # the body itself: empty, or not an object
+        if not raw:
+            return APIError(400, "body: empty; send a JSON object")
+        return APIError(400, f"body: expected a JSON object, got {type(err.get('input')).__name__}")
+    param = _param(loc)
+    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    return APIError(400, f"{param}: {msg}", param=param)
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    _log_info(request)["error"] = e.code or e.param or e.type
+    return _error(e)
+
+
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    model = BODY_MODELS.get(request.url.path)
+    return await _api_error(request, validation_error(e, request.scope.get(RAW_BODY), model))
+
+
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    if e.status_code == 404:
+        return _error(APIError(404, f"{request.method} {request.url.path}: no such route; see /v1/models, "
+                               "/v1/chat/completions, /v1/completions, /health, /metrics", code="unknown_url"))
+    if e.status_code == 405:
+        return _error(APIError(405, f"{request.method} {request.url.path}: method not allowed",
+                               code="method_not_allowed"))
+    if e.status_code == 400 and e.__cause__ is not None:  # FastAPI could not decode the body
+        return await _api_error(request, APIError(400, f"body: not valid JSON ({e.__cause__}); send a JSON object"))
+    return _error(APIError(e.status_code, str(e.detail)))
+
+
+# --------------------------------------------------------------------------- middleware
+
+
+class RequestLog:
+    """Outermost: one log line per request, and no exception ever reaches the server (an
+    unexpected one is answered 500 and logged once; a client that vanished mid-response is
+    logged, not raised)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status: list[int | None] = [None]
+        info: dict[str, Any] = scope.setdefault(LOG_INFO, {})
+
+        async def _send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, _send)
+        except asyncio.CancelledError:  # shutdown past its grace period: the connection just closes
+            info.setdefault("error", "shutdown")
+        except Exception as e:  # noqa: BLE001 - a bug, or the client gone mid-response
+            info.setdefault("error", type(e).__name__)
+            if status[0] is None:
+                log.exception("internal error")
+                err = APIError(500, f"internal error: {type(e).__name__}; see the server log", type="server_error")
+                try:
+                    await _error(err)(scope, receive, _send)
+                except Exception:  # noqa: BLE001 - the client is gone too
+                    pass
+        finally:
+            job: Job | None = info.get("job")
+            if job is not None and job.submitted and not job.finished.is_set():
+                # the response ended before the worker finished: if before the answer (the client
+                # left, or a failure) stop it at the next step; log how far it got
+                if not job.answered:
+                    job.cancel.set()
+                try:
+                    await asyncio.wait_for(job.finished.wait(), 60)
+                except (asyncio.TimeoutError, asyncio.CancelledError):
+                    pass
+            fields = [f"{k}={v}" for k, v in (job.stats if job else {}).items() if v is not None]
+            if "error" in info:
+                fields.append(f"error={info['error']}")
+            log.info("%s %s %s %.3fs %s", scope.get("method"), scope.get("path"), status[0] or "-",
+                     time.perf_counter() - t0, " ".join(fields))
+
+
+class BodyLimit:
+    """Reads a request body up to ``max_body_bytes`` before routing: beyond it, 413 (the rest
+    is read and dropped so that the client can read the answer; past MAX_DRAIN_BYTES the
+    connection is closed). The body is then replayed to the app, which reads it as JSON
+    whatever its Content-Type (``curl -d`` sends a form type)."""
+
+    def __init__(self, app: Any, max_body_bytes: int, read_timeout: float):
+        self.app, self.limit, self.read_timeout = app, max_body_bytes, read_timeout
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length", b"").decode("latin-1")
+        too_big = bool(declared.isdigit() and int(declared) > self.limit)
+        body = bytearray()
+        seen = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except asyncio.TimeoutError:
+                e = APIError(408, f"body: nothing received for {self.read_timeout:g} s; send the whole body at once",
+                             code="request_timeout")
+                scope.setdefault(LOG_INFO, {})["error"] = e.code
+                response = _error(e)
+                response.headers["connection"] = "close"
+                return await response(scope, receive, send)
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            too_big = too_big or seen > self.limit
+            if not too_big:
+                body += chunk
+            elif seen > MAX_DRAIN_BYTES:
+                break
+            if not message.get("more_body", False):
+                break
+        if too_big:
+            e = APIError(413, f"body: {max(seen, int(declared or 0))} bytes is over the limit of {self.limit}; "
+                         "send a smaller request (or start the server with a larger --max-body-mb)",
+                         code="body_too_large")
+            scope.setdefault(LOG_INFO, {})["error"] = e.code
+            return await _error(e)(scope, receive, send)
+        scope[RAW_BODY] = bytes(body)
+        scope["headers"] = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"] + \
+            [(b"content-type", b"application/json")]
+        replayed = False
+
+        async def _receive() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, _receive, send)
+
+
+# --------------------------------------------------------------------------- routes
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+open_router = APIRouter()  # no key needed: liveness probes
+
+
+@open_router.api_route("/health", methods=["GET", "HEAD"])
+async def health(engine: Engine = Depends(get_engine)) -> JSONResponse:
+    ok = engine.alive
+    return JSONResponse({"status": "ok" if ok else "down", "model": engine.model_id,
+                         "precision": engine.precision, "busy": engine.busy,
+                         "queued": engine.waiting, "served": engine.served,
+                         "reused_prefixes": engine.reused_prefixes, "memory_bytes": engine.memory_bytes},
+                        status_code=200 if ok else 503)
+
+
+@router.api_route("/v1/models", methods=["GET", "HEAD"])
+async def models(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(engine.model_id, engine.created)]}
+
+
+@router.api_route("/metrics", methods=["GET", "HEAD"])
+async def metrics(engine: Engine = Depends(get_engine)) -> Response:
+    """Prometheus text format: the engine's counters and gauges."""
+    lines = []
+    for name, kind, value, help_text in engine.metrics():
+        lines += [f"# HELP mlx_dgemma_{name} {help_text}", f"# TYPE mlx_dgemma_{name} {kind}",
+                  f"mlx_dgemma_{name} {value}"]
+    return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+@router.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+async def model(model_id: str, engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+    if model_id != engine.model_id:
+        raise _unknown_model(engine, model_id)
+    return model_card(engine.model_id, engine.created)
+
+
+def _unknown_model(engine: Engine, name: str) -> APIError:
+    return APIError(404, f"model: {name!r} is not served here; use {engine.model_id!r} (GET /v1/models)",
+                    param="model", code="model_not_found")
+
+
+def _thinking(body: ChatRequest) -> bool:
+    if body.enable_thinking is not None:
+        return body.enable_thinking
+    v = (body.chat_template_kwargs or {}).get("enable_thinking", False)
+    if not isinstance(v, bool):
+        raise APIError(400, "chat_template_kwargs.enable_thinking: expected true or false",
+                       param="chat_template_kwargs.enable_thinking")
+    return v
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request, engine: Engine = Depends(get_engine)) -> Response:
+    # any model name is served by the one model (clients hard-code names); responses name ours
+    messages = normalize_messages(body.messages)
+    last = len(messages) - 1
+    if messages[-1]["role"] != "user":
+        raise APIError(400, f"messages[{last}].role: the last message must be the user's "
+                       f"(got {messages[-1]['role']!r})", param=f"messages[{last}].role")
+    if not messages[-1]["content"].strip():
+        raise APIError(400, f"messages[{last}].content: empty; give some text", param=f"messages[{last}].content")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    thinking = _thinking(body)
+    params = engine.sampler_overrides(body, max_tokens)
+    await run_in_threadpool(engine.prepare_chat, messages, thinking, params)
+    return await _submit(request, engine, "chat", body, messages, _answer_cap(params), params, thinking)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, engine: Engine = Depends(get_engine)) -> Response:
+    params = engine.sampler_overrides(body, body.max_tokens)
+    ids = await run_in_threadpool(engine.prepare_completion, body.prompt, params)
+    return await _submit(request, engine, "completion", body, ids, _answer_cap(params), params, False)
+
+
+def _answer_cap(params: dict[str, Any]) -> int | None:
+    """The answer's exact token limit: the client's max_tokens, lowered where the context capped it."""
+    return params.get("max_new_tokens")
+
+
+async def _submit(request: Request, engine: Engine, kind: str, body: Sampling, prompt: Any, max_tokens: int | None,
+                  params: dict[str, Any], thinking: bool) -> Response:
+    job = Job(kind, prompt, params, max_tokens, body.stop, thinking,
+              bool(body.diffusion and body.diffusion.stream_steps), asyncio.get_running_loop())
+    fmt = Formatter(kind, engine.model_id)
+    job.stats["id"] = fmt.id  # the log line names the response's id
+    _log_info(request)["job"] = job
+    engine.submit(job)
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(job, fmt, watcher, usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        while True:
+            what, payload = await job.queue.get()
+            if what == "error":
+                raise payload
+            if what == "gone" or what == "done" and payload is None:
+                return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
+            if what == "done":
+                return JSONResponse(fmt.final(payload))
+    finally:
+        if not job.answered:  # this handler was cancelled: stop the worker at its next step
+            job.cancel.set()
+        watcher.cancel()
+
+
+async def _stream(job: Job, fmt: Formatter, watcher: asyncio.Task, include_usage: bool) -> AsyncIterator[str]:
+    content, reasoning = Deltas(), Deltas()
+    try:
+        if fmt.kind == "chat":
+            yield sse(fmt.delta(role=True))
+        while True:
+            what, payload = await job.queue.get()
+            if what == "step":
+                yield sse(fmt.extra(diffusion=payload))
+            elif what == "text":
+                dc, dr = content(payload[0]), reasoning(payload[1])
+                if dc or dr:
+                    yield sse(fmt.delta(dc, dr))
+            elif what == "done":
+                if payload is None:
+                    return
+                dc, dr = content(payload.content), reasoning(payload.reasoning)
+                if dc or dr:
+                    yield sse(fmt.delta(dc, dr))
+                yield sse(fmt.delta(finish=payload.finish_reason))
+                if include_usage:
+                    yield sse({**fmt.extra(), "usage": payload.usage})
+                yield "data: [DONE]\n\n"
+                return
+            elif what == "error":
+                job.stats["error"] = payload.code or payload.type
+                yield sse(payload.body())
+                yield "data: [DONE]\n\n"
+                return
+            elif what == "gone":
+                return
+    finally:
+        if not job.answered:  # the stream ended early (client gone): stop at the next step
+            job.cancel.set()
+        watcher.cancel()
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel ``job`` when the client goes away (the worker stops at its next step)."""
+    try:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                job.cancel.set()
+                job.queue.put_nowait(("gone", None))
+                return
+    except Exception:  # noqa: BLE001 - the connection is gone either way
+        job.cancel.set()
+
+
+# --------------------------------------------------------------------------- the app
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start the engine (if the command line has not) and, at shutdown, stop it: the running
+    and waiting jobs are cancelled at their next step and the worker thread is joined."""
+    engine: Engine = app.state.engine
+    if not engine.worker.started:
+        await run_in_threadpool(engine.start)
+    try:
+        yield
+    finally:
+        await run_in_threadpool(engine.stop)
+
+
+def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
+    """The FastAPI application serving ``engine`` (started here if it is not yet)."""
+    settings = settings or Settings()
+    app = FastAPI(title="mlx-dgemma", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.settings = settings
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.include_router(open_router)
+    app.include_router(router)
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, read_timeout=settings.read_timeout)
+    if settings.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=["GET", "HEAD", "POST", "OPTIONS"], allow_headers=["*"], max_age=600)
+    app.add_middleware(RequestLog)  # added last: the outermost of ours
+    return app

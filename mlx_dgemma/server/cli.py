@@ -1,0 +1,270 @@
+"""``mlx-dgemma serve``: the server's flags, their checks (all before the model loads), the
+listening socket, the connection guard, and uvicorn.
+
+This module imports nothing heavy at its top (``mlx-dgemma --help`` builds every parser);
+the model flags (``--model``, ``--demo``, precision) are the command line's shared ones,
+added by ``mlx_dgemma.cli``, which imports this module (never the reverse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from mlx_dgemma.errors import DGemmaError, ParameterError
+
+log = logging.getLogger("mlx_dgemma.server")
+
+REFUSAL_LOG_SECONDS = 10.0  # refused connections are logged at most once per this many seconds
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The server's own flags (the model flags come from ``mlx_dgemma.cli``)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    p.add_argument("--queue-size", type=int, default=16,
+                   help="requests that may wait behind the running one before 503 (default 16)")
+    p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MB (default 16)")
+    p.add_argument("--model-id", help="the model name clients send (default: the file or directory name)")
+    p.add_argument("--max-request-steps", type=int, default=4096, metavar="N",
+                   help="work budget of one request: denoising steps x blocks (default 4096); more is a 400")
+    p.add_argument("--max-request-seconds", type=float, default=None, metavar="S",
+                   help="stop a request's generation after S seconds, answering what is done with "
+                        "finish_reason 'length' (default: no limit)")
+    p.add_argument("--max-connections", type=int, default=256, metavar="N",
+                   help="open connections at most; more are refused with 503 and closed (default 256)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$MLX_DGEMMA_API_KEY, else none)")
+    p.add_argument("--cors", action="append", default=None, metavar="ORIGIN",
+                   help="let browser pages from ORIGIN call the API (repeat it, or '*' for any; default: "
+                        "none, so that a web page cannot drive a local server)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection that has not sent a whole request head within S seconds, "
+                        "and a body that stalls for S seconds (default 10)")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every server flag, before the model loads: a bad one is a one-line error naming it."""
+    def finite(flag: str, v: float, low: float, high: float) -> None:
+        if not (math.isfinite(v) and low <= v <= high):
+            raise ParameterError(f"{flag} {v}: must be a number in [{low:g}, {high:g}]")
+
+    if args.queue_size < 1:
+        raise ParameterError(f"--queue-size {args.queue_size}: must be at least 1")
+    finite("--max-body-mb", args.max_body_mb, 0.001, 1e6)
+    if args.max_request_steps < 1:
+        raise ParameterError(f"--max-request-steps {args.max_request_steps}: must be at least 1")
+    if args.max_request_seconds is not None:
+        finite("--max-request-seconds", args.max_request_seconds, 0.001, 1e9)
+    if args.max_connections < 1:
+        raise ParameterError(f"--max-connections {args.max_connections}: must be at least 1")
+    finite("--header-timeout", args.header_timeout, 0.1, 3600)
+    if args.api_key is not None and (not args.api_key.strip() or not args.api_key.isprintable()):
+        raise ParameterError("--api-key: must be a non-empty printable string")
+    for origin in args.cors or ():
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise ParameterError(f"--cors {origin}: must be '*' or an origin such as http://localhost:3000")
+
+
+LOOPBACK = ("127.", "::1", "localhost")
+
+
+def host_warning(host: str, api_key: str | None) -> str | None:
+    """A line for a server reachable from other machines without a key, else None."""
+    if api_key is None and not host.startswith(LOOPBACK):
+        return (f"mlx-dgemma serve: warning: listening on {host} without --api-key: anyone who can reach "
+                "this port can use the model")
+    return None
+
+
+def listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:
+        sock.close()
+        raise ParameterError(f"--host/--port: cannot listen on {host}:{port} ({getattr(e, 'strerror', None) or e}); "
+                             "choose another port or address") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _raise_fd_limit(connections: int) -> None:
+    """Open files: room for ``connections`` plus the model's files and the log (raised up to the
+    hard limit); where that is not possible, refuse the flag: past the limit every accept fails
+    and asyncio logs each failure, thousands of lines a second."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    want = connections + 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    target = want if hard == resource.RLIM_INFINITY else min(hard, want)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        target = soft
+    if target < want:
+        raise ParameterError(f"--max-connections {connections}: this process may open only {target} files "
+                             f"(ulimit -n); lower --max-connections to at most {max(1, target - 64)} or raise the limit")
+
+
+class _RefusalLog:
+    """Counts refused connections and logs them at most once per REFUSAL_LOG_SECONDS (a flood
+    of clients must not become a flood of log lines)."""
+
+    def __init__(self) -> None:
+        self.count, self.last = 0, -math.inf
+
+    def note(self, why: str) -> None:  # on the event loop's thread only
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= REFUSAL_LOG_SECONDS:
+            log.warning("refused %d connection(s): %s (logged at most every %g s)", self.count, why,
+                        REFUSAL_LOG_SECONDS)
+            self.count, self.last = 0, now
+
+
+def guarded_protocol(max_connections: int, header_timeout: float) -> type:
+    """uvicorn's h11 protocol with a connection limit (over it: a 503 and close, logged at
+    most every few seconds) and a timeout for a request head (silent or slow clients are
+    closed, so they cannot hold connections and file descriptors)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    body = b'{"error":{"message":"server busy: too many open connections; retry later","type":"server_error",' \
+           b'"param":null,"code":"too_many_connections"}}'
+    refusal = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+               b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    refused = _RefusalLog()
+
+    class GuardedH11Protocol(H11Protocol):
+        _refused = False
+        _head_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            if len(self.connections) >= max_connections:
+                self._refused, self.transport = True, transport
+                transport.write(refusal)
+                transport.close()
+                refused.note(f"{max_connections} connections are open (--max-connections)")
+                return
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(header_timeout, self._head_timeout)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            # IDLE: the request head is not complete yet (a silent or a slow client)
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            if self._head_timer is None and self.conn.their_state is h11.IDLE:
+                self._arm()  # the first bytes of a request on a kept-alive connection
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            self._disarm()  # between requests the keep-alive timeout applies
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            if not self._refused:
+                super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+def _settings(args: argparse.Namespace) -> tuple[Any, Any]:
+    from .app import Settings
+    from .engine import Limits
+
+    limits = Limits(queue_size=args.queue_size, max_request_steps=args.max_request_steps,
+                    max_request_seconds=args.max_request_seconds)
+    settings = Settings(max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.header_timeout,
+                        api_key=args.api_key, cors_origins=tuple(args.cors or ()))
+    return limits, settings
+
+
+def main(args: argparse.Namespace) -> int:
+    """``mlx-dgemma serve``: check the flags, listen, load the model, serve until interrupted."""
+    if args.api_key is None:
+        args.api_key = os.environ.get("MLX_DGEMMA_API_KEY") or None
+    check_args(args)
+    from mlx_dgemma.loader import check_model_choice
+
+    check_model_choice(args.model, args.demo)
+    limits, settings = _settings(args)
+    _raise_fd_limit(args.max_connections)
+    sock = listen(args.host, args.port)  # before loading: a taken port fails fast
+    import uvicorn
+
+    from .app import create_app
+    from .engine import Engine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    engine = Engine(args.model, args.demo, args.dtype, args.precision, args.model_id, limits)
+    try:
+        engine.start()
+    except DGemmaError as e:
+        if getattr(args, "debug", False):
+            raise
+        # exit here, not through the interpreter's shutdown: MLX state created by the worker
+        # thread can abort it ("terminate called without an active exception"), see below
+        print(f"mlx-dgemma serve: error: {e}", file=sys.stderr, flush=True)
+        os._exit(e.exit_code)
+    app = create_app(engine, settings)
+    # keep-alive 30 s: clients that reuse a connection between turns rarely find it closed
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10,
+                            timeout_keep_alive=30, http=guarded_protocol(args.max_connections, args.header_timeout))
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:  # the first signal: answer every open request now
+                engine.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    warning = host_warning(args.host, args.api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    print(f"mlx-dgemma serve: {engine.model_id} ({engine.precision}) on http://{shown}:{port}/v1 (Ctrl+C to stop)",
+          file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the signal that stopped it: the stop was clean
+        pass
+    finally:
+        engine.stop()
+        print("mlx-dgemma serve: stopped", file=sys.stderr, flush=True)
+        logging.shutdown()
+        # Nothing is left to write, and C++ static destructors racing the MLX worker thread's
+        # state at interpreter exit aborted 3 of 11 Ctrl+C stops ("terminate called without an
+        # active exception", status 134): leave without them.
+        sys.stdout.flush()
+        os._exit(0)

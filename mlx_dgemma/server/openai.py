@@ -1,0 +1,190 @@
+"""OpenAI formatting: the answer as the client sees it (tokens, ``max_tokens``, ``stop``, the
+thought channel kept out of ``content``), stream deltas, and the response objects."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_dgemma.chat_template import THOUGHT_CLOSE, THOUGHT_OPEN, parse_answer
+
+
+def marker_ids(tokenizer: Any) -> tuple[int | None, int | None]:
+    """The single-token ids of the thought channel's markers (None where a marker is not one token)."""
+    out = []
+    for text in (THOUGHT_OPEN, THOUGHT_CLOSE):
+        ids = tokenizer.encode(text)
+        out.append(ids[0] if len(ids) == 1 else None)
+    return out[0], out[1]
+
+
+@dataclass
+class Answer:
+    """The answer as the client sees it, rebuilt after every committed block.
+
+    ``max_tokens`` cuts the token list exactly (blocks are whole canvases, the API's limit
+    is in tokens); ``stop`` cuts the visible text, and ``completion_tokens`` counts the tokens
+    up to the one that completed the stop string; the thought channel never reaches content.
+    """
+
+    tokenizer: Any
+    eos_ids: tuple[int, ...]
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    markers: tuple[int | None, int | None] | None = None  # thought channel ids (marker_ids), found if None
+    tokens: list[int] = field(default_factory=list)
+    content: str = ""
+    reasoning: str = ""
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    eos: bool = False
+    stop_hit: bool = False
+    cut: bool = False  # max_tokens ended the answer before an EOS
+
+    def __post_init__(self) -> None:
+        if self.markers is None:
+            self.markers = marker_ids(self.tokenizer)
+
+    def add(self, block_tokens: tuple[int, ...], text: str, thinking: str) -> None:
+        """Add one committed block (its tokens and the core's parsed text so far)."""
+        self.tokens += block_tokens
+        gen = self.tokens
+        if self.max_tokens is not None and len(gen) > self.max_tokens:
+            gen = gen[: self.max_tokens]
+            parsed = parse_answer(self.tokenizer.decode(gen))
+            text, thinking = parsed.answer, parsed.thinking
+        eos_at = next((i for i, t in enumerate(gen) if t in self.eos_ids), None)
+        self.eos = eos_at is not None
+        self.cut = not self.eos and len(gen) < len(self.tokens)
+        gen = gen[: eos_at + 1] if eos_at is not None else gen
+        hits = [i for i in (text.find(s) for s in self.stop) if i != -1]
+        self.stop_hit = bool(hits)
+        if hits:
+            gen = gen[: self._stop_tokens(gen)]
+        self.completion_tokens = len(gen)
+        self.reasoning_tokens = self._thought_tokens(gen)
+        self.content = text[: min(hits)] if hits else text
+        self.reasoning = thinking
+
+    def _has_stop(self, ids: list[int]) -> bool:
+        text = parse_answer(self.tokenizer.decode(ids)).answer
+        return any(s in text for s in self.stop)
+
+    def _stop_tokens(self, gen: list[int]) -> int:
+        """The fewest leading tokens of ``gen`` whose answer holds a stop string (binary search:
+        once a prefix holds one, every longer prefix does)."""
+        lo, hi = 1, len(gen)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._has_stop(gen[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
+    def _thought_tokens(self, ids: list[int]) -> int:
+        """Tokens inside the thought channel (markers included)."""
+        open_id, close_id = self.markers or (None, None)
+        if open_id is None or open_id not in ids:
+            return 0
+        start = ids.index(open_id)
+        end = ids.index(close_id, start) + 1 if close_id is not None and close_id in ids[start:] else len(ids)
+        return end - start
+
+    @property
+    def finished(self) -> bool:
+        return self.eos or self.stop_hit or self.cut
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.eos or self.stop_hit else "length"
+
+    def streamable(self) -> tuple[str, str]:
+        """(content, reasoning) safe to send before the answer is final: a trailing U+FFFD may be
+        half a character the next block completes, a trailing prefix of a stop string may
+        become the stop string."""
+        content, reasoning = self.content.rstrip("\ufffd"), self.reasoning.rstrip("\ufffd")
+        if not self.stop_hit:
+            for s in self.stop:
+                for k in range(min(len(s) - 1, len(content)), 0, -1):
+                    if content.endswith(s[:k]):
+                        content = content[:-k]
+                        break
+        return content, reasoning
+
+
+class Deltas:
+    """Turns successive snapshots of a growing text into append-only deltas."""
+
+    def __init__(self) -> None:
+        self.sent = ""
+
+    def __call__(self, text: str) -> str:
+        # Normally ``text`` extends what was sent. Rarely it differs behind it (a decode that
+        # re-spells earlier bytes): a stream cannot retract, so only what goes beyond is sent.
+        delta = text[len(self.sent):]
+        if len(text) >= len(self.sent):
+            self.sent = text
+        return delta
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished answer: what the response body carries."""
+
+    content: str
+    reasoning: str
+    finish_reason: str
+    usage: dict[str, Any]
+
+
+class Formatter:
+    """OpenAI response objects for one request (chat or text completion)."""
+
+    def __init__(self, kind: str, model: str):
+        self.kind, self.model = kind, model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.object = "chat.completion" if kind == "chat" else "text_completion"
+
+    def _base(self, chunk: bool) -> dict[str, Any]:
+        obj = self.object + ".chunk" if chunk and self.kind == "chat" else self.object
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def final(self, r: Result) -> dict[str, Any]:
+        if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": r.content}
+            if r.reasoning:
+                message["reasoning_content"] = r.reasoning
+            choice = {"index": 0, "message": message, "finish_reason": r.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": r.content, "finish_reason": r.finish_reason, "logprobs": None}
+        return {**self._base(False), "choices": [choice], "usage": r.usage}
+
+    def delta(self, content: str = "", reasoning: str = "", finish: str | None = None,
+              role: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            d: dict[str, Any] = {"role": "assistant"} if role else {}
+            if content or role:
+                d["content"] = content
+            if reasoning:
+                d["reasoning_content"] = reasoning
+            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
+        return {**self._base(True), "choices": [choice]}
+
+    def extra(self, **fields: Any) -> dict[str, Any]:
+        return {**self._base(True), "choices": [], **fields}
+
+
+def sse(obj: dict[str, Any]) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def model_card(model_id: str, created: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "mlx-dgemma"}

@@ -1,0 +1,144 @@
+"""Request bodies of the OpenAI API, as pydantic models FastAPI validates.
+
+Strict like the OpenAI API ("0.5" is not a number, 1.0 not an integer), unknown fields
+ignored (OpenAI clients send extras freely). Our sampler's settings are extra top-level
+fields whose types and ranges are the core's (``mlx_dgemma.validate.GENERATION_RULES``):
+declared there once, read here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mlx_dgemma.validate import GENERATION_RULES
+
+# our sampler's settings, accepted as extra top-level request fields
+SAMPLER_FIELDS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
+                  "confidence_threshold", "sc_top_k")
+
+
+def _rule(name: str) -> Any:
+    """``int | None`` or ``float | None`` with the core's range for generation parameter ``name``."""
+    kind, low, high, text = GENERATION_RULES[name]
+    return Annotated[int if kind == "int" else float, Field(ge=low, le=high, description=text)] | None
+
+
+def check_unicode(text: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800"): not text any tokenizer or response can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid Unicode: a lone surrogate {text[e.start]!r} at index {e.start}; "
+                         "send valid UTF-8 text") from None
+    return text
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class DiffusionOptions(Body):
+    stream_steps: bool = False
+
+
+class Message(Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, v: Any) -> str:
+        """A string, or a list of text parts (``[{"type": "text", "text": ...}]``)."""
+        if v is None or isinstance(v, str):
+            return check_unicode(v or "")
+        if isinstance(v, list):
+            out = []
+            for i, part in enumerate(v):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {i}: only {{'type': 'text', 'text': str}} parts are supported")
+                out.append(part["text"])
+            return check_unicode("".join(out))
+        raise ValueError("expected a string or a list of text parts")
+
+
+class Sampling(Body):
+    """The fields chat and text completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)  # beyond the context: 413, checked against the model
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)  # accepted for compatibility; the sampler has no top-p
+    seed: _rule("seed") = None
+    stop: Any = Field(None, validate_default=True)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    max_denoising_steps: _rule("max_denoising_steps") = None
+    t_min: _rule("t_min") = None
+    t_max: _rule("t_max") = None
+    entropy_bound: _rule("entropy_bound") = None
+    stability_threshold: _rule("stability_threshold") = None
+    confidence_threshold: _rule("confidence_threshold") = None
+    sc_top_k: _rule("sc_top_k") = None
+    diffusion: DiffusionOptions | None = None
+    response_format: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v: Any) -> Any:
+        """Plain text only: a JSON answer cannot be guaranteed, so asking for one is refused
+        rather than ignored."""
+        if v is None or isinstance(v, dict) and v.get("type") == "text":
+            return v
+        kind = v.get("type") if isinstance(v, dict) else v
+        raise ValueError(f"{kind!r} is not supported: this server cannot constrain the answer to JSON; "
+                         "leave response_format out (or use {'type': 'text'}) and validate the answer yourself")
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: Any) -> tuple[str, ...]:
+        if v is None:
+            return ()
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or \
+                not all(isinstance(s, str) and s for s in stops):
+            raise ValueError("expected a non-empty string or a list of 1 to 4 non-empty strings")
+        return tuple(check_unicode(s) for s in stops)
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    enable_thinking: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: Any
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> str | list[int]:
+        """A string, a list of one string, or a list of token ids."""
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
+            v = v[0]
+        if isinstance(v, str):
+            if not v.strip():
+                raise ValueError("empty; give some text")
+            return check_unicode(v)
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        raise ValueError("expected a non-empty string, a list of one string, or a list of token ids")

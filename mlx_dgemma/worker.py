@@ -1,0 +1,196 @@
+"""One thread that owns the model: every MLX call of a front end (loading, prefill,
+denoising, cache commits) happens on it, one job at a time, in arrival order.
+
+MLX state is not shared between threads safely and a model is too large to load twice, so a
+front end hands its model work to a :class:`ModelWorker` as jobs: callables run on the
+worker thread, each with its own cancel flag that the work polls (``stream_generate``'s
+``cancel``). Waiting jobs sit in a bounded FIFO; a job cancelled while waiting never runs
+and stops counting against the bound at once (a client that left frees its place).
+
+The server (``mlx_dgemma.server``) runs every request through one; the chat app's engine
+(``tui/engine.py``) does the same job with its own loop today and can adopt this class:
+its load, generate and reset jobs map onto :meth:`ModelWorker.start` and :meth:`submit`,
+its Escape onto :meth:`Ticket.cancel`, its quit onto :meth:`stop` (which joins the thread,
+so the interpreter never exits while MLX runs on a daemon thread). No asyncio, no
+Textual: the worker reports through the callables it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from .errors import DGemmaError
+
+log = logging.getLogger("mlx_dgemma.worker")
+
+R = TypeVar("R")
+
+
+class WorkerBusy(DGemmaError):
+    """The waiting queue is full; ``waiting`` jobs (none of them cancelled) are ahead."""
+
+    def __init__(self, waiting: int):
+        super().__init__(f"the model worker is busy: {waiting} jobs are waiting")
+        self.waiting = waiting
+
+
+class WorkerStopped(DGemmaError):
+    """The worker is not running (it was stopped, or its model failed to load)."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One job: ``run`` is called on the worker thread with the ticket (poll ``cancelled``);
+    ``skipped`` instead, if the job was cancelled before it started."""
+
+    run: Callable[["Ticket"], None]
+    skipped: Callable[["Ticket"], None] | None = None
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)  # run (or skipped) has returned
+    started: float | None = None  # time.perf_counter() when the worker took it
+
+    def cancel(self) -> None:
+        """Ask the job to stop at its next check (or never to start)."""
+        self.cancel_event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
+
+
+class ModelWorker(Generic[R]):
+    """The thread that owns a model (or any MLX state), and its bounded FIFO of jobs.
+
+    ``load`` runs first, on the worker thread; what it returns is :attr:`runtime`.
+    ``max_waiting`` bounds the jobs that may wait behind the running one (None: unbounded).
+    """
+
+    def __init__(self, load: Callable[[], R], *, max_waiting: int | None = None,
+                 name: str = "mlx-dgemma-worker"):
+        self._load = load
+        self.max_waiting = max_waiting
+        self.runtime: R | None = None
+        self.current: Ticket | None = None
+        self.completed = 0  # jobs run to their end (errors included), skipped ones not
+        self._waiting: deque[Ticket] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    # lifecycle ------------------------------------------------------------
+    def start(self) -> R:
+        """Start the thread, run ``load`` on it and wait; its exception is raised here."""
+        self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+        return self.runtime  # type: ignore[return-value]
+
+    def cancel_all(self) -> None:
+        """Cancel the running job (at its next check) and every waiting one; the worker goes on."""
+        with self._cv:
+            for t in self._waiting:
+                t.cancel()
+            if self.current is not None:
+                self.current.cancel()
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Cancel the running and waiting jobs, let the thread end and wait for it (bounded).
+        Returns whether it ended (a job stuck inside one MLX call may outlast ``timeout``)."""
+        with self._cv:
+            self._stopping = True
+            for t in self._waiting:
+                t.cancel()
+            if self.current is not None:
+                self.current.cancel()
+            self._cv.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def started(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._load_error is None and not self._stopping
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    @property
+    def waiting(self) -> int:
+        """Jobs waiting to run, not counting those cancelled while waiting."""
+        with self._cv:
+            return sum(1 for t in self._waiting if not t.cancelled)
+
+    @property
+    def running_seconds(self) -> float:
+        """How long the running job has run (0 when idle)."""
+        cur = self.current
+        return time.perf_counter() - cur.started if cur is not None and cur.started is not None else 0.0
+
+    # jobs -----------------------------------------------------------------
+    def submit(self, run: Callable[[Ticket], None], *, skipped: Callable[[Ticket], None] | None = None,
+               cancel: threading.Event | None = None) -> Ticket:
+        """Queue a job; :class:`WorkerBusy` when ``max_waiting`` live jobs already wait,
+        :class:`WorkerStopped` when the worker is not running. ``cancel``: the job's cancel
+        flag, where the caller already has one (a new one otherwise)."""
+        ticket = Ticket(run, skipped) if cancel is None else Ticket(run, skipped, cancel)
+        with self._cv:
+            if not self.alive:
+                raise WorkerStopped("the model worker is not running")
+            if self.max_waiting is not None:
+                live = [t for t in self._waiting if not t.cancelled]
+                if len(live) >= self.max_waiting:
+                    raise WorkerBusy(len(live))
+            self._waiting.append(ticket)
+            self._cv.notify()
+        return ticket
+
+    def _next(self) -> Ticket | None:
+        with self._cv:
+            while not self._waiting and not self._stopping:
+                self._cv.wait()
+            if self._stopping and not self._waiting:
+                return None
+            return self._waiting.popleft()
+
+    def _main(self) -> None:
+        try:
+            self.runtime = self._load()
+        except BaseException as e:  # noqa: BLE001 - handed to the thread that called start()
+            self._load_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        while True:
+            ticket = self._next()
+            if ticket is None:
+                return
+            try:
+                if ticket.cancelled:
+                    if ticket.skipped is not None:
+                        ticket.skipped(ticket)
+                    continue
+                ticket.started = time.perf_counter()
+                self.current = ticket
+                try:
+                    ticket.run(ticket)
+                finally:
+                    self.completed += 1
+            except Exception:  # noqa: BLE001 - one failing job must not stop the worker
+                log.exception("job failed")
+            finally:
+                self.current = None
+                ticket.done.set()

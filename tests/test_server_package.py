@@ -1,0 +1,132 @@
+"""The server package's place in the layout (issue 22 item 4): it uses the core, the core
+never uses it, and no import cycle passes through it or the core's model worker (the
+command line imports the server, never the reverse). Read from the sources with `ast`,
+function-level imports included."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(ROOT / "mlx_dgemma").with_suffix("")
+    parts = ["mlx_dgemma", *rel.parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _edges() -> dict[str, set[str]]:
+    """module -> mlx_dgemma modules it imports (core and server files)."""
+    files = sorted((ROOT / "mlx_dgemma").glob("*.py")) + sorted((ROOT / "mlx_dgemma" / "server").glob("*.py"))
+    known = {_module(f) for f in files}
+    out: dict[str, set[str]] = {}
+    for f in files:
+        mod = _module(f)
+        pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        deps = out.setdefault(mod, set())
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            for n in names:
+                while n and n not in known:
+                    n = n.rpartition(".")[0]
+                if n and n != mod and n != "mlx_dgemma":
+                    deps.add(n)
+    return out
+
+
+def test_no_import_cycle_through_the_server_or_the_worker():
+    edges = _edges()
+    watched = [m for m in edges if m.startswith("mlx_dgemma.server") or m == "mlx_dgemma.worker"]
+    assert "mlx_dgemma.server.app" in watched and "mlx_dgemma.worker" in watched
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            for d in edges.get(m, ()):
+                if d == goal:
+                    return True
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        return False
+
+    cycles = [m for m in watched if reaches(m, m)]
+    assert not cycles, f"import cycles through {cycles}"
+    assert "mlx_dgemma.cli" not in set().union(*(edges[m] for m in watched))
+
+
+def test_the_core_never_imports_the_server():
+    edges = _edges()
+    bad = [f"{m} -> {d}" for m, ds in edges.items() if not m.startswith("mlx_dgemma.server") and m != "mlx_dgemma.cli"
+           for d in ds if d.startswith("mlx_dgemma.server")]
+    assert not bad, bad
+
+
+def test_help_does_not_import_the_web_stack():
+    # `mlx-dgemma --help` builds serve's parser: server.cli only, not FastAPI or uvicorn
+    code = ("import sys; from mlx_dgemma.cli import build_parser; build_parser(); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'uvicorn', 'pydantic')); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_app_starts_and_stops_its_engine_in_the_lifespan(tmp_path, monkeypatch):
+    # in process, without the command line: the lifespan loads the model on the worker and,
+    # at shutdown, stops the worker; routes reach the engine through app.state and Depends
+    from fastapi.testclient import TestClient
+
+    from mlx_dgemma.server import Engine, create_app
+
+    monkeypatch.setenv("MLX_DGEMMA_CACHE", str(tmp_path))
+    engine = Engine(demo=True)
+    app = create_app(engine)
+    assert not engine.alive
+    with TestClient(app) as client:
+        assert app.state.engine is engine and engine.alive
+        assert client.get("/health").json()["model"] == "mlx-dgemma-demo"
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 4, "max_denoising_steps": 1, "seed": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+        r = client.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("body: not valid JSON (Expecting")
+    assert not engine.alive and not engine.worker.busy
+
+
+def test_validation_errors_keep_the_bodies_of_the_single_module_server():
+    # FastAPI validates the typed bodies; the handler keeps the words the server answered
+    # before it did (taken from that server's answers), without loading any model
+    from fastapi.testclient import TestClient
+
+    from mlx_dgemma.server import Engine, create_app
+
+    client = TestClient(create_app(Engine(demo=True)))  # no lifespan: the model never loads
+    cases = [
+        (b"", "body: empty; send a JSON object", None),
+        (b"[1, 2]", "body: expected a JSON object, got list", None),
+        (b"null", "body: expected a JSON object, got NoneType", None),
+        (b"{", "body: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
+               "send a JSON object", None),
+        (b'{"messages": [1]}', "messages[0]: Input should be a valid dictionary or instance of Message", "messages[0]"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "stream_options": 3}',
+         "stream_options: Input should be a valid dictionary or instance of StreamOptions", "stream_options"),
+        (b'{"messages": [{"role": "wizard", "content": "hi"}]}',
+         "messages[0].role: Input should be 'system', 'developer', 'user' or 'assistant'", "messages[0].role"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', "n: only n=1 is supported", "n"),
+    ]
+    for body, message, param in cases:
+        r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json() == {"error": {"message": message, "type": "invalid_request_error",
+                                                               "param": param, "code": None}}, (body, r.json())

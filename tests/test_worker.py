@@ -1,0 +1,78 @@
+"""The core's model worker (mlx_dgemma/worker.py): one thread, jobs in order, a bounded queue
+that counts only live jobs, cancellation before and during a job, a stop that joins."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mlx_dgemma.worker import ModelWorker, WorkerBusy, WorkerStopped
+
+
+def test_jobs_run_in_order_on_the_worker_thread():
+    threads, order = set(), []
+    w = ModelWorker(lambda: threads.add(threading.get_ident()) or "runtime")
+    assert w.start() == "runtime" and w.runtime == "runtime"
+    tickets = [w.submit(lambda t, i=i: (order.append(i), threads.add(threading.get_ident()))) for i in range(5)]
+    assert all(t.done.wait(10) for t in tickets)
+    assert order == list(range(5)) and len(threads) == 1 and threading.get_ident() not in threads
+    assert w.stop() and not w.alive
+    with pytest.raises(WorkerStopped):
+        w.submit(lambda t: None)
+
+
+def test_load_errors_are_raised_by_start():
+    def fail():
+        raise ValueError("no model here")
+
+    w = ModelWorker(fail)
+    with pytest.raises(ValueError, match="no model here"):
+        w.start()
+    assert not w.alive
+
+
+def test_cancelled_waiters_never_run_and_free_their_place():
+    gate, ran, skipped = threading.Event(), [], []
+    w = ModelWorker(lambda: None, max_waiting=2)
+    w.start()
+    began = threading.Event()
+    running = w.submit(lambda t: (began.set(), gate.wait(10)))
+    assert began.wait(10)
+    a = w.submit(lambda t: ran.append("a"), skipped=lambda t: skipped.append("a"))
+    w.submit(lambda t: ran.append("b"))
+    with pytest.raises(WorkerBusy) as e:
+        w.submit(lambda t: ran.append("c"))
+    assert e.value.waiting == 2
+    a.cancel()
+    assert w.waiting == 1
+    d = w.submit(lambda t: ran.append("d"))  # a's place is free at once
+    gate.set()
+    assert d.done.wait(10) and running.done.is_set()
+    assert ran == ["b", "d"] and skipped == ["a"]
+    w.stop()
+
+
+def test_a_failing_job_does_not_stop_the_worker():
+    w = ModelWorker(lambda: None)
+    w.start()
+    bad = w.submit(lambda t: 1 / 0)
+    good = w.submit(lambda t: None)
+    assert bad.done.wait(10) and good.done.wait(10) and w.alive
+    w.stop()
+
+
+def test_stop_cancels_the_running_job_and_joins():
+    started, seen = threading.Event(), []
+
+    def long_job(t):
+        started.set()
+        while not t.cancelled:
+            t.cancel_event.wait(0.01)
+        seen.append("stopped at a check")
+
+    w = ModelWorker(lambda: None)
+    w.start()
+    w.submit(long_job)
+    assert started.wait(10)
+    assert w.stop(timeout=10) and seen == ["stopped at a check"]
