@@ -112,14 +112,24 @@ def describe_error(e: Exception) -> str:
     return str(e) if isinstance(e, DGemmaError) else f"{type(e).__name__}: {e}"
 
 
+class _Stopped(Exception):
+    """Raised inside a load (at its next progress report) once the app has asked the engine to stop."""
+
+
 class Engine:
-    """The job loop. ``run`` is the body of the app's single engine thread."""
+    """The job loop. ``run`` is the body of the app's single engine thread.
+
+    :meth:`stop` ends it at the next safe point: between denoising steps or prefill chunks
+    (through the cancel check ``stream_generate`` polls), between tensors of a load, or
+    before the next queued job. The app joins the thread before the interpreter exits: MLX
+    must not be running on it then (that aborted the process)."""
 
     def __init__(self, backend: Backend, post: Callable[[Message], None]):
         self.backend = backend
         self._post = post
         self._jobs: queue.Queue[Job] = queue.Queue()
         self.cancel_flag = threading.Event()
+        self.stopping = threading.Event()  # set once, by stop(): the loop ends
         self.loaded = False
 
     def submit(self, job: Job) -> None:
@@ -131,16 +141,27 @@ class Engine:
         self.cancel_flag.set()
 
     def stop(self) -> None:
+        self.stopping.set()
         self.cancel_flag.set()
-        self._jobs.put(Job("stop"))
+        self._jobs.put(Job("stop"))  # wakes the loop if it is waiting for a job
+
+    def _cancelled(self) -> bool:
+        return self.cancel_flag.is_set() or self.stopping.is_set()
+
+    def _progress(self, detail: str) -> None:
+        if self.stopping.is_set():
+            raise _Stopped
+        self._post(EngineStatus("loading", detail))
 
     def run(self) -> None:
-        while True:
+        while not self.stopping.is_set():
             job = self._jobs.get()
-            if job.kind == "stop":
+            if job.kind == "stop" or self.stopping.is_set():
                 return
             try:
                 self._do(job)
+            except _Stopped:
+                return
             except Exception as e:  # shown in the app; the loop keeps serving
                 if job.kind == "load":
                     self._post(EngineStatus("failed", describe_error(e)))  # the app offers what to do
@@ -151,7 +172,7 @@ class Engine:
     def _do(self, job: Job) -> None:
         if job.kind == "load":
             self._post(EngineStatus("loading", self.backend.label))
-            self.backend.load(lambda detail: self._post(EngineStatus("loading", detail)))
+            self.backend.load(self._progress)
             self.loaded = True
             self._post(EngineStatus("ready", self.backend.label))
         elif job.kind == "reset":
@@ -160,6 +181,6 @@ class Engine:
             if not self.loaded:
                 return  # queued while a load was failing; the app has left the chat
             self._post(EngineStatus("busy"))
-            for ev in self.backend.stream(job.prompt, self.cancel_flag.is_set, **job.params):
+            for ev in self.backend.stream(job.prompt, self._cancelled, **job.params):
                 self._post(EngineEvent(ev, job.answer_id))
             self._post(EngineStatus("ready"))

@@ -82,6 +82,8 @@ class ChatScreen(Screen):
 
     @on(EngineStatus)
     def _on_status(self, m: EngineStatus) -> None:
+        if self.app.stopping:
+            return  # quitting: the status line says "stopping…" until the engine has stopped
         # every state shows: the status line says what happens, the prompt whether to type
         status, prompt = self.query_one(StatusLine), self.query_one("#prompt", Input)
         if m.state == "loading":
@@ -109,8 +111,8 @@ class ChatScreen(Screen):
 
     @on(EngineEvent)
     def _on_event(self, m: EngineEvent) -> None:
-        if m.answer_id != self.answer_id:
-            return  # a late event of an answer the user has left
+        if m.answer_id != self.answer_id or self.app.stopping:
+            return  # a late event of an answer the user has left, or the app is quitting
         ev = m.event
         if isinstance(ev, PrefillProgressEvent):  # a long prompt: chunks done so far; Escape stops between chunks
             self.query_one(StatusLine).update(f"prefill {ev.tokens_done:,}/{ev.tokens_total:,} tokens "
@@ -133,7 +135,7 @@ class ChatScreen(Screen):
 
     def _flush(self) -> None:
         ev, self._pending = self._pending, None
-        if ev is None or self.cursor is not None:
+        if ev is None or self.cursor is not None or self.app.stopping:
             return
         self._draw(ev.block, len(self.trace.blocks[ev.block]) - 1)
 
