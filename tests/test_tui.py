@@ -159,6 +159,26 @@ async def test_settings_validate_and_apply():
         assert backend.prompts[0][1]["max_denoising_steps"] == 7
 
 
+@pytest.mark.parametrize("field, value, expected", [
+    ("t_max", "5000", "first-step temperature: 5000 must be a temperature in [0.001, 1000]"),
+    ("t_max", "-1", "first-step temperature: -1 must be a temperature in [0.001, 1000]"),
+    ("t_min", "5000", "final temperature: 5000 must be a temperature in [0.001, 1000]"),
+    ("max_denoising_steps", "0", "max steps per block: 0 must be an integer in [1, 10000]"),
+])
+async def test_settings_name_a_fields_range_before_the_rules_between_fields(field, value, expected):
+    backend = ScriptedBackend(steps=2, blocks=1)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        await pilot.press("ctrl+o")
+        app.screen.query_one(f"#set-{field}").value = value
+        await pilot.click("#save")
+        assert isinstance(app.screen, SettingsScreen)
+        error = str(app.screen.query_one("#settings-error").render())
+        assert error == expected
+        assert "above" not in error and "below" not in error
+
+
 async def test_settings_cleared_field_means_the_models_default():
     backend = ScriptedBackend(steps=2, blocks=1)
     app = DGemmaApp(backend)

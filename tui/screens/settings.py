@@ -10,7 +10,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label
 
 from mlx_dgemma.errors import ParameterError
-from mlx_dgemma.sampler import SamplerParams
+from mlx_dgemma.sampler import SamplerParams, check_field
 
 FIELDS = [
     ("max_denoising_steps", "max steps per block", int),
@@ -60,15 +60,24 @@ class SettingsScreen(ModalScreen[dict | None]):
 
     @on(Button.Pressed, "#save")
     def _save(self) -> None:
-        chosen = {}
+        chosen, typed = {}, {}
         for name, label, kind in FIELDS:
             raw = self.query_one(f"#set-{name}", Input).value.strip()
             if not raw:
                 continue  # cleared: the model's default
             try:
                 chosen[name] = kind(raw)
+                typed[name] = raw
             except ValueError:
                 self._error(f"{label}: {raw!r} is not {KIND_NAMES[kind]}")
+                return
+        # each field's own range first (the API's rule, e.g. a temperature in [0.001, 1000]),
+        # then the rules between fields: 5000 is out of range, not "above the final temperature"
+        for name, value in chosen.items():
+            try:
+                check_field(name, value)
+            except ParameterError as e:
+                self._error(f"{LABELS[name]}: {typed[name]} must be {e.rule}")
                 return
         try:
             params = SamplerParams.from_config(self.values_without_fields(), **chosen)
@@ -79,8 +88,8 @@ class SettingsScreen(ModalScreen[dict | None]):
         self.dismiss({k: v for k, v in merged.items() if k in chosen and v != self.defaults.get(k)})
 
     def _explain(self, e: ParameterError, chosen: dict) -> str:
-        """The API's error, restated with the labels the dialog shows."""
-        if e.name == "t_max":
+        """The API's error between fields, restated with the labels the dialog shows."""
+        if e.name == "t_max":  # each range is checked before: this is the schedule's t_min < t_max
             t_max = chosen.get("t_max", self.defaults.get("t_max"))
             t_min = chosen.get("t_min", self.defaults.get("t_min"))
             if t_min != self.values.get("t_min"):  # name the field the user just edited first
