@@ -547,3 +547,64 @@ def test_status_parts_are_left_out_whole_least_important_first():
     assert fit(parts, 12) == "a  bb  cc  e"  # the rightmost of the highest rank goes first
     assert fit(parts, 9) == "a  cc  e"
     assert fit(parts, 1) == "a  e"  # rank 0 stays, even when too wide
+
+
+def screen_lines(app) -> list[str]:
+    return [strip.text for strip in app.screen._compositor.render_strips()]
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 30)])
+async def test_the_canvas_key_and_the_demo_banner_fit(size):
+    backend = ScriptedBackend(steps=4, blocks=2)
+    backend.is_demo = True
+    app = DGemmaApp(backend)
+    async with app.run_test(size=size) as pilot:
+        await ask(pilot, backend)
+        for replay in (False, True):
+            if replay:
+                await pilot.press("ctrl+b")
+            await pilot.pause()
+            title = screen(app).query_one("#canvas-title")
+            heading, key = [title.region.y + i for i in (0, 1)]
+            lines = screen_lines(app)
+            assert ("(replay)" in lines[heading]) == replay
+            # every part of the key, whole, inside the panel (the old one-line title lost them at 120)
+            shown = lines[key][title.region.x:title.region.right]
+            parts = ["now", "before", "draft", "entropy" if size[0] > 80 else "bg"]
+            assert all(p in shown for p in parts), shown
+        banner = screen(app).query_one("#demo-banner")
+        assert banner.region.height == 1  # one row, not 3-5 in the chat pane
+        top = lines[banner.region.y]
+        assert "DEMO" in top and "not DiffusionGemma's weights" in top and "…" not in top
+
+
+def test_the_canvas_key_is_the_longest_wording_that_fits():
+    from mlx_dgemma.tui.widgets.canvas import LEGENDS, legend
+
+    for width in range(20, 90):
+        shown = legend(width).plain
+        assert len(shown) <= width or shown == "".join(t for t, _ in LEGENDS[-1])
+        longer = [p for p in LEGENDS if sum(len(t) for t, _ in p) > len(shown)]
+        assert all(sum(len(t) for t, _ in p) > width for p in longer)  # no longer wording would fit
+
+
+async def test_canvas_cells_show_whole_words_where_there_is_room():
+    backend = ScriptedBackend(steps=2, blocks=1)  # 16 positions: room for wide cells
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, backend)
+        text = str(screen(app).query_one(CanvasView).render())
+        assert "scatters" in text and "…" not in text
+
+
+def test_canvas_cells_narrow_to_fit_every_position():
+    from mlx_dgemma.tui.widgets.canvas import CELL, MAX_CELL, cell_width
+
+    assert cell_width(68, 18, 64) == MAX_CELL  # 4 columns (of 17, capped) hold 64 positions in 18 rows
+    assert cell_width(45, 13, 64) == 9  # 5 columns: 13 rows hold 65 cells
+    assert cell_width(45, 4, 256) == CELL  # never narrower than the minimum (the panel scrolls/clips)
+    for w, h, n in [(68, 18, 64), (45, 13, 64), (120, 30, 256)]:
+        c = cell_width(w, h, n)
+        assert CELL <= c <= MAX_CELL
+        if c > CELL:
+            assert (w // c) * h >= n  # wider cells only when every position still fits

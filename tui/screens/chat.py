@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -18,7 +17,8 @@ from mlx_dgemma.trace import Trace
 
 from ..engine import Backend, Job
 from ..messages import EngineError, EngineEvent, EngineStatus
-from ..widgets.canvas import CanvasView
+from ..widgets.banner import DemoBanner
+from ..widgets.canvas import CanvasTitle, CanvasView
 from ..widgets.chat_log import Answer, ChatLog
 from ..widgets.entropy import EntropyChart
 from ..widgets.status import StatusLine
@@ -59,16 +59,14 @@ class ChatScreen(Screen):
 
     def compose(self) -> ComposeResult:
         backend = self.backend
+        if backend.is_demo:  # one row across the screen, not several in the narrow chat pane
+            yield DemoBanner(id="demo-banner")
         with Horizontal(id="main"):
             with Vertical(id="chat-pane"):
-                if backend.is_demo:
-                    yield Static("DEMO MODEL: a tiny model trained on the King James Bible, not "
-                                 "DiffusionGemma's weights. The denoising is the real sampler's.",
-                                 id="demo-banner")
                 yield ChatLog(id="chat-log")
                 yield Input(placeholder=PLACEHOLDERS["loading"], id="prompt")
             with Vertical(id="diffusion-pane"):
-                yield Static("canvas", id="canvas-title")
+                yield CanvasTitle(id="canvas-title")
                 yield CanvasView(piece=backend.piece, id="canvas")
                 yield EntropyChart(id="chart")
         yield StatusLine("starting…", id="status")
@@ -148,10 +146,8 @@ class ChatScreen(Screen):
 
             earlier = np.any([s.accepted for s in steps[:index]], axis=0)
         live = "" if self.cursor is None else "  (replay)"
-        self.query_one("#canvas-title", Static).update(Text.assemble(
-            f"canvas: block {block + 1}, step {ev.step}/{ev.max_steps}{live}   ",
-            ("accepted now", "bold bright_green"), " ", ("accepted before", "cyan"), " ",
-            ("draft", "grey58 italic"), " ", ("bg: entropy", "on rgb(140,70,45)")))
+        self.query_one(CanvasTitle).show(
+            f"canvas: block {block + 1}, step {ev.step}/{ev.max_steps}{live}")
         self.query_one(CanvasView).show(ev, earlier)
         self.query_one(EntropyChart).set_block(steps, ev.canvas.size, index)
         spf = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0
@@ -210,7 +206,7 @@ class ChatScreen(Screen):
         self._last_done = None
         self._step_seconds.clear()
         self.query_one(ChatLog).remove_children()
-        self.query_one("#canvas-title", Static).update("canvas")
+        self.query_one(CanvasTitle).clear()
         self.query_one(CanvasView).clear()
         self.query_one(EntropyChart).set_block([], 0)
         self.query_one(StatusLine).update("new chat")
