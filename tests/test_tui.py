@@ -77,7 +77,7 @@ async def test_prompt_fills_canvas_step_by_step_and_answers():
         assert answer.rendered.startswith("The sky is blue because")
         assert answer._collapsible.display  # thought channel present, collapsed
         assert answer._collapsible.collapsed
-        assert "eos" in str(s.query_one("#status").render())
+        assert "finished: end of turn" in str(s.query_one("#status").render())
 
 
 async def test_cancel_stops_the_worker():
@@ -527,7 +527,7 @@ async def test_the_status_line_fits_80_and_100_columns(width):
         await ask(pilot, backend)
         await pilot.pause(0.1)
         done = status_row(app)
-        for part in ("eos: 2 block(s)", "8 steps", "0.25 s/step", "peak 0.20 GB", "fast (bfloat16)"):
+        for part in ("finished: end of turn", "8 steps", "0.25 s/step", "peak 0.20 GB", "fast (bfloat16)"):
             assert part in done, done
         await pilot.press("ctrl+b")
         await pilot.pause(0.1)
@@ -608,3 +608,58 @@ def test_canvas_cells_narrow_to_fit_every_position():
         assert CELL <= c <= MAX_CELL
         if c > CELL:
             assert (w // c) * h >= n  # wider cells only when every position still fits
+
+
+async def test_a_cancelled_answer_says_where_it_stopped_and_shows_no_undefined_figures():
+    backend = ScriptedBackend(steps=200, blocks=1, delay=0.02)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=(140, 30)) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        await send(pilot, "long")
+        await wait_for(pilot, lambda: len(screen(app).trace.steps) >= 3)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: done(app))
+        await pilot.pause(0.1)
+        s = screen(app)
+        reached = s.trace.blocks[-1][-1].step
+        line = status_row(app)
+        assert f"cancelled at block 1, step {reached}" in line, line
+        # the answer committed no block: no tokens per forward, never "0.00 tok/fwd"
+        assert "tok/fwd" not in line and "0.00 s/step" not in line, line
+        assert f"{reached} steps" in line
+        await pilot.press("ctrl+b")
+        await pilot.pause(0.1)
+        replay = status_row(app)
+        assert "replay" in replay and "tok/fwd" not in replay and "0.00 s/step" not in replay, replay
+
+
+def test_the_summary_of_a_cancelled_prefill_names_no_steps():
+    from mlx_dgemma.events import DoneEvent
+    from mlx_dgemma.tui.widgets.status import summary_parts
+
+    done = DoneEvent("", "", (), "cancelled", 900, 1.5, 0.0, 0, (), 0.0, 0.0, 0.0, 100_000_000, "exact (float32)")
+    text = " | ".join(t for t, _ in summary_parts(done, None))
+    assert text.startswith("cancelled during the prefill")
+    for undefined in ("step", "s/step", "tok/fwd", "prefill 0", "replay"):
+        assert undefined not in text.replace("the prefill", ""), text
+    one = DoneEvent("a", "", (1,), "length", 9, 0.1, 90.0, 1, (1,), 0.5, 1.0, 0.6, 1, "")
+    text = " | ".join(t for t, _ in summary_parts(one))
+    assert text.startswith("stopped: max new tokens reached | 1 block | 1 step |"), text
+
+
+async def test_toasts_are_short_and_leave_the_status_line_visible():
+    from textual.widgets._toast import Toast
+
+    backend = ScriptedBackend(steps=2, blocks=1)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=(80, 24), notifications=True) as pilot:
+        await ask(pilot, backend)
+        before = status_row(app)
+        app.notify("Cancelling at the next step…")
+        await wait_for(pilot, lambda: app.screen.query(Toast))
+        await pilot.pause(0.1)
+        toast = app.screen.query_one(Toast)
+        status = screen(app).query_one("#status").region
+        assert toast.region.bottom <= status.y and toast.region.height == 1, (toast.region, status)
+        assert status_row(app) == before  # the summary is still readable under a toast
+        assert app.NOTIFICATION_TIMEOUT <= 3

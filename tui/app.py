@@ -25,6 +25,7 @@ class DGemmaApp(App):
     CSS_PATH = "dgemma.tcss"
     TITLE = "mlx-dgemma"
     BINDINGS = [("ctrl+q", "quit", "Quit")]
+    NOTIFICATION_TIMEOUT = 3  # seconds (Textual's 5 left toasts over the chart long after they were read)
 
     def __init__(self, backend: Backend | None = None, trace_dir: str | Path = ".", **kw):
         super().__init__(**kw)

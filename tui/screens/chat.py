@@ -21,7 +21,7 @@ from ..widgets.banner import DemoBanner
 from ..widgets.canvas import CanvasTitle, CanvasView
 from ..widgets.chat_log import Answer, ChatLog
 from ..widgets.entropy import EntropyChart
-from ..widgets.status import StatusLine
+from ..widgets.status import StatusLine, finish_words
 
 REFRESH_HZ = 15  # the canvas redraws at most this often, however fast steps arrive
 PLACEHOLDERS = {"loading": "Loading the model…",
@@ -126,7 +126,7 @@ class ChatScreen(Screen):
         elif isinstance(ev, DoneEvent):
             self._last_done = ev
             if self.answer is not None:
-                note = "" if ev.finish_reason == "eos" else f"({ev.finish_reason})"
+                note = "" if ev.finish_reason == "eos" else f"({finish_words(ev, self._reached())})"
                 self.answer.set_text(ev.text, ev.thinking, note)
             self._flush()
             self._show_summary(ev)
@@ -152,14 +152,22 @@ class ChatScreen(Screen):
         self.query_one(EntropyChart).set_block(steps, ev.canvas.size, index)
         spf = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0
         done = self._last_done
+        tpf = done.tokens_per_forward if done and done.tokens_per_forward > 0 else None  # none if no block was committed
         self.query_one(StatusLine).show_step(
             ev, max(self._blocks_planned, len(self.trace.blocks)), spf,
-            done.tokens_per_forward if done else None, self._prefill_tps, self.backend.memory_bytes(),
+            tpf, self._prefill_tps, self.backend.memory_bytes(),
             "replay ^b/^f" if self.cursor is not None else "",
             precision=self.backend.precision_label)
 
+    def _reached(self) -> tuple[int, int] | None:
+        """The block and step (both from 1) the answer had reached, if it reached any: the
+        block is counted in the trace, so it does not depend on how events number blocks."""
+        if not self.trace.blocks or not self.trace.blocks[-1]:
+            return None
+        return len(self.trace.blocks), self.trace.blocks[-1][-1].step
+
     def _show_summary(self, done: DoneEvent) -> None:
-        self.query_one(StatusLine).show_summary(done)
+        self.query_one(StatusLine).show_summary(done, self._reached())
 
     # user actions ---------------------------------------------------------------------------
 
