@@ -230,7 +230,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from .precision import resolve_precision
 
     resolve_precision(args.precision, args.dtype)  # a contradiction is an error before the app starts
-    return run_app(model=args.model, demo=args.demo, dtype=args.dtype, precision=args.precision)
+    if args.system is not None:
+        from .tokenizer import check_text
+
+        check_text(args.system, "--system")
+    return run_app(model=args.model, demo=args.demo, dtype=args.dtype, precision=args.precision,
+                   think=args.think, system=args.system)
 
 
 CHAT_EPILOG = """\
@@ -283,6 +288,8 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
                        epilog=CHAT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--model", help="converted directory or .gguf file (default: $MLX_DGEMMA_MODEL)")
     c.add_argument("--demo", action="store_true", help=DEMO_HELP)
+    c.add_argument("--think", action="store_true", help="enable the thought channel (shown collapsed; Ctrl+O changes it)")
+    c.add_argument("--system", metavar="TEXT", help="system prompt of the conversation (Ctrl+O changes it)")
     add_precision_args(c)
     c.set_defaults(func=_cmd_chat)
 

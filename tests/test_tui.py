@@ -388,14 +388,17 @@ def protocol_problems(backend) -> list[str]:
     """How ``backend`` differs from the Backend protocol: missing members, attributes of the
     wrong type, methods whose parameters differ (names and kinds, as the engine calls them)."""
     import inspect
+    import types
     import typing
 
     problems = [] if isinstance(backend, Backend) else ["not a Backend (runtime check)"]
     for name, kind in typing.get_type_hints(Backend).items():
         value = getattr(backend, name, problems)
+        origin = typing.get_origin(kind)
+        allowed = typing.get_args(kind) if origin in (typing.Union, types.UnionType) else (origin or kind)
         if value is problems:
             problems.append(f"{name}: missing")
-        elif not isinstance(value, typing.get_origin(kind) or kind):
+        elif not isinstance(value, allowed):
             problems.append(f"{name}: {type(value).__name__}, expected {kind}")
     for name, member in vars(Backend).items():
         if name.startswith("_") or not callable(member):
@@ -663,3 +666,59 @@ async def test_toasts_are_short_and_leave_the_status_line_visible():
         assert toast.region.bottom <= status.y and toast.region.height == 1, (toast.region, status)
         assert status_row(app) == before  # the summary is still readable under a toast
         assert app.NOTIFICATION_TIMEOUT <= 3
+
+
+async def test_thought_channel_and_system_prompt_from_the_command_line_and_the_settings():
+    from textual.widgets import Checkbox, Input
+
+    backend = ScriptedBackend(steps=2, blocks=1, think=True, system="Answer in the style of the KJV.")
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, backend)
+        assert backend.thinks == [True]  # --think reaches the answer
+        await pilot.press("ctrl+o")
+        assert app.screen.query_one("#set-think", Checkbox).value is True
+        assert app.screen.query_one("#set-system", Input).value == "Answer in the style of the KJV."
+        app.screen.query_one("#set-think", Checkbox).value = False
+        app.screen.query_one("#set-system", Input).value = "Be brief."
+        app.screen.query_one("#save").press()
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+        # a new system prompt opens a new conversation (it comes first in the cache)
+        await wait_for(pilot, lambda: backend.systems == ["Be brief."])
+        await wait_for(pilot, lambda: not screen(app).query(Answer))
+        await ask(pilot, backend)
+        assert backend.thinks == [True, False]
+        await pilot.press("ctrl+o")  # thinking on again, same system prompt: the chat goes on
+        app.screen.query_one("#set-think", Checkbox).value = True
+        app.screen.query_one("#save").press()
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+        await ask(pilot, backend)
+        assert backend.thinks == [True, False, True] and backend.systems == ["Be brief."]
+        await pilot.press("ctrl+n")  # a new chat keeps the chosen system prompt
+        await wait_for(pilot, lambda: backend.systems == ["Be brief.", "Be brief."])
+
+
+def test_the_model_backend_passes_thinking_and_the_system_prompt_to_the_session(tiny_model_dir):
+    backend = ModelBackend(model=str(tiny_model_dir), think=True, system="S1")
+    backend.load(lambda line: None)
+    assert backend.session.enable_thinking is True
+    assert backend.session.messages == [{"role": "system", "content": "S1"}]
+    events = list(backend.stream("hi", lambda: False, think=False, max_new_tokens=1, max_denoising_steps=1, seed=0))
+    assert backend.session.enable_thinking is False and events
+    assert [m["role"] for m in backend.session.messages] == ["system", "user", "assistant"]
+    backend.reset("S2")
+    assert backend.session.messages == [{"role": "system", "content": "S2"}] and not backend.session.history
+    backend.reset(None)
+    assert backend.session.messages == []
+
+
+def test_chat_command_takes_think_and_system(monkeypatch):
+    from mlx_dgemma import cli
+    from mlx_dgemma.tui import app as app_module
+
+    seen = {}
+    monkeypatch.setattr(app_module, "run_app", lambda **kw: seen.update(kw) or 0)
+    assert cli.main(["chat", "--demo", "--think", "--system", "Be brief."]) == 0
+    assert seen["think"] is True and seen["system"] == "Be brief."
+    assert cli.main(["chat", "--demo"]) == 0
+    assert seen["think"] is False and seen["system"] is None

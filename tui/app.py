@@ -46,7 +46,8 @@ class DGemmaApp(App):
             self._start()
 
     def start_demo(self) -> None:
-        self.backend = ModelBackend(demo=True)
+        old = self.backend  # the chat options given on the command line carry over to the demo
+        self.backend = ModelBackend(demo=True, think=getattr(old, "think", False), system=getattr(old, "system", None))
         self.load_error = None
         self.pop_screen()
         self._start()
@@ -132,13 +133,15 @@ def configured_model() -> str | None:
 
 
 def run_app(model: str | None = None, demo: bool = False, dtype: str | None = None,
-            precision: str = "auto") -> int:
-    """Run the chat app; the exit status is non-zero if the user quits with no model loaded."""
+            precision: str = "auto", think: bool = False, system: str | None = None) -> int:
+    """Run the chat app; the exit status is non-zero if the user quits with no model loaded.
+    ``think`` and ``system``: the thought channel and the system prompt to start with."""
     from mlx_dgemma.errors import ModelFilesError
 
     from_env = not model and not demo
     model = str(user_path(model)) if model else (configured_model() if from_env else None)
-    backend = ModelBackend(model=model, demo=demo, dtype=dtype, precision=precision) if (model or demo) else None
+    backend = ModelBackend(model=model, demo=demo, dtype=dtype, precision=precision, think=think,
+                           system=system) if (model or demo) else None
     if model and not demo and not Path(model).exists():
         source = " (from MLX_DGEMMA_MODEL)" if from_env else ""
         raise ModelFilesError(f"{model}{source}: no such file or directory; give a .gguf file or a directory "

@@ -46,7 +46,9 @@ class ChatScreen(Screen):
         self.busy = False
         self.answer: Answer | None = None
         self.answer_id = 0
-        self.params: dict = {}
+        self.params: dict = {}  # sampler overrides (Ctrl+O)
+        self.think = False  # the thought channel, per answer (--think, Ctrl+O)
+        self.system: str | None = None  # the system prompt of the next new chat (--system, Ctrl+O)
         self._pending: StepEvent | None = None
         self._prefill_tps: float | None = None
         self._step_seconds: list[float] = []
@@ -73,6 +75,7 @@ class ChatScreen(Screen):
         yield Footer(compact=True)  # every binding, ^q Quit included, fits 80 columns
 
     def on_mount(self) -> None:
+        self.think, self.system = self.backend.think, self.backend.system
         self.set_interval(1 / REFRESH_HZ, self._flush)
         self.query_one(Input).focus()
 
@@ -195,7 +198,7 @@ class ChatScreen(Screen):
             "max_new_tokens", 256))
         self._blocks_planned = -(-max_new // canvas)
         self.busy = True
-        self.app.engine.submit(Job("generate", text, dict(self.params), self.answer_id))
+        self.app.engine.submit(Job("generate", text, {**self.params, "think": self.think}, self.answer_id))
 
     def action_cancel(self) -> None:
         if self.busy:
@@ -206,7 +209,7 @@ class ChatScreen(Screen):
         if self.busy:
             self.app.engine.cancel()
         self.answer_id += 1
-        self.app.engine.submit(Job("reset"))
+        self.app.engine.submit(Job("reset", params={"system": self.system}))
         self.trace = Trace()
         self.cursor = None
         self.answer = None
@@ -220,15 +223,20 @@ class ChatScreen(Screen):
         self.query_one(StatusLine).update("new chat")
 
     def action_settings(self) -> None:
-        from .settings import SettingsScreen, describe
+        from .settings import Settings, SettingsScreen, describe
 
-        def done(result: dict | None) -> None:
-            if result is not None:
-                self.params = result
-                self.app.notify(describe(result))
+        def done(result: Settings | None) -> None:
+            if result is None:
+                return
+            self.params, self.think = result.sampler, result.think
+            if result.system != self.system:  # the system prompt opens a conversation: a new one
+                self.system = result.system
+                self.action_new_chat()
+                self.app.notify("New chat with " + ("the new system prompt." if self.system else "no system prompt."))
+            self.app.notify(describe(result))
 
         defaults = dict(self.backend.generation_config)
-        self.app.push_screen(SettingsScreen({**defaults, **self.params}, defaults), done)
+        self.app.push_screen(SettingsScreen({**defaults, **self.params}, defaults, self.think, self.system), done)
 
     def action_replay(self, delta: int) -> None:
         steps = self.trace.steps
