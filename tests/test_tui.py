@@ -722,3 +722,30 @@ def test_chat_command_takes_think_and_system(monkeypatch):
     assert seen["think"] is True and seen["system"] == "Be brief."
     assert cli.main(["chat", "--demo"]) == 0
     assert seen["think"] is False and seen["system"] is None
+
+
+def test_the_screenshot_script_writes_the_tracked_picture_only_when_asked(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "screenshot.py"
+    spec = importlib.util.spec_from_file_location("screenshot_script", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    docs = script.parent.parent / "docs" / "screenshot.svg"
+    monkeypatch.chdir(tmp_path)
+    assert mod.output_path(None, False) == Path("screenshot.svg")  # untracked, in the current directory
+    assert mod.output_path(str(tmp_path / "x.svg"), False) == tmp_path / "x.svg"
+    assert mod.output_path(None, True) == docs.resolve()
+    with pytest.raises(SystemExit, match="--update-docs"):
+        mod.output_path(str(docs), False)
+    shots = []
+
+    async def shoot(path, *args):  # the app itself is not run here
+        shots.append(path)
+
+    monkeypatch.setattr(mod, "shoot", shoot)
+    assert mod.main([]) == 0 and shots == ["screenshot.svg"]
+    with pytest.raises(SystemExit):
+        mod.main(["docs/screenshot.svg"]) if Path("docs").exists() else mod.main([str(docs)])
+    assert shots == ["screenshot.svg"]
