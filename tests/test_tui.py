@@ -747,5 +747,5 @@ def test_the_screenshot_script_writes_the_tracked_picture_only_when_asked(tmp_pa
     monkeypatch.setattr(mod, "shoot", shoot)
     assert mod.main([]) == 0 and shots == ["screenshot.svg"]
     with pytest.raises(SystemExit):
-        mod.main(["docs/screenshot.svg"]) if Path("docs").exists() else mod.main([str(docs)])
+        mod.main([str(docs)])
     assert shots == ["screenshot.svg"]
