@@ -174,9 +174,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     done: DoneEvent | None = None
     trace = None
     if args.trace:
-        from .trace import Trace
+        from dataclasses import asdict
 
-        trace = Trace()
+        from .generation import precision_label
+        from .sampler import SamplerParams
+        from .trace import Trace, trace_header
+
+        settings = asdict(SamplerParams.from_config(gen_cfg, **overrides))
+        trace = Trace(header=trace_header(args.prompt, settings, "demo model" if args.demo else str(args.model),
+                                          precision_label(model), seed=settings.pop("seed"),
+                                          thinking=args.think, raw=args.raw))
     with flag_errors(overrides):  # the flags against the model's config and vocabulary, before any work
         from .sampler import SamplerParams
 

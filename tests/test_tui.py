@@ -126,8 +126,16 @@ async def test_export_writes_json_lines(tmp_path):
         await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: app.last_export is not None)
     lines = app.last_export.read_text().splitlines()
-    assert len(lines) == 6
-    recs = [json.loads(x) for x in lines]
+    assert len(lines) == 1 + 6
+    header, *recs = [json.loads(x) for x in lines]
+    import mlx_dgemma
+
+    # the header says what produced the steps: the message, the settings in effect, the model
+    assert header["record"] == "header" and header["prompt"] == "q" and header["turn"] == 1
+    assert header["model"] == backend.label and header["precision"] == backend.precision_label
+    assert header["mlx_dgemma_version"] == mlx_dgemma.__version__ and header["seed"] is None
+    assert header["settings"]["max_denoising_steps"] == 48 and header["settings"]["t_min"] == 0.4
+    assert header["thinking"] is False and header["system"] is None
     assert [(r["block"], r["step"]) for r in recs] == [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)]
     assert all(len(r["canvas"]) == len(r["entropy"]) == len(r["accepted"]) == 16 for r in recs)
     assert recs[-1]["stopped"] and recs[0]["draft_text"].startswith("The sky")
@@ -749,3 +757,19 @@ def test_the_screenshot_script_writes_the_tracked_picture_only_when_asked(tmp_pa
     with pytest.raises(SystemExit):
         mod.main([str(docs)])
     assert shots == ["screenshot.svg"]
+
+
+async def test_the_trace_header_carries_the_chosen_settings_and_the_turn(tmp_path):
+    backend = ScriptedBackend(steps=2, blocks=1, think=True, system="Be brief.")
+    app = DGemmaApp(backend, trace_dir=tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, backend, "first")
+        screen(app).params = {"seed": 7, "t_max": 0.9}
+        await send(pilot, "second")
+        await wait_for(pilot, lambda: len(backend.prompts) == 2 and done(app))
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: app.last_export is not None)
+    header = json.loads(app.last_export.read_text().splitlines()[0])
+    assert header["prompt"] == "second" and header["turn"] == 2
+    assert header["seed"] == 7 and header["settings"]["t_max"] == 0.9 and "seed" not in header["settings"]
+    assert header["thinking"] is True and header["system"] == "Be brief."

@@ -13,7 +13,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
 from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
-from mlx_dgemma.trace import Trace
+from mlx_dgemma.trace import Trace, trace_header
 
 from ..engine import Backend, Job
 from ..messages import EngineError, EngineEvent, EngineStatus
@@ -49,6 +49,7 @@ class ChatScreen(Screen):
         self.params: dict = {}  # sampler overrides (Ctrl+O)
         self.think = False  # the thought channel, per answer (--think, Ctrl+O)
         self.system: str | None = None  # the system prompt of the next new chat (--system, Ctrl+O)
+        self.turn = 0  # user messages in this chat
         self._pending: StepEvent | None = None
         self._prefill_tps: float | None = None
         self._step_seconds: list[float] = []
@@ -184,7 +185,8 @@ class ChatScreen(Screen):
             return
         m.input.value = ""
         self.answer_id += 1
-        self.trace = Trace()
+        self.turn += 1
+        self.trace = Trace(header=self._trace_header(text))
         self.cursor = None
         self._step_seconds.clear()
         self._last_done = None
@@ -200,6 +202,17 @@ class ChatScreen(Screen):
         self.busy = True
         self.app.engine.submit(Job("generate", text, {**self.params, "think": self.think}, self.answer_id))
 
+    def _trace_header(self, prompt: str) -> dict:
+        """The exported trace's first record: the message, the settings in effect, the model."""
+        from dataclasses import asdict
+
+        from mlx_dgemma.sampler import SamplerParams
+
+        settings = asdict(SamplerParams.from_config(self.backend.generation_config, **self.params))
+        return trace_header(prompt, settings, self.backend.label, self.backend.precision_label,
+                            seed=settings.pop("seed"), thinking=self.think, system=self.system,
+                            turn=self.turn)
+
     def action_cancel(self) -> None:
         if self.busy:
             self.app.engine.cancel()
@@ -210,6 +223,7 @@ class ChatScreen(Screen):
             self.app.engine.cancel()
         self.answer_id += 1
         self.app.engine.submit(Job("reset", params={"system": self.system}))
+        self.turn = 0
         self.trace = Trace()
         self.cursor = None
         self.answer = None
