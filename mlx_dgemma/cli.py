@@ -250,10 +250,10 @@ keys:
   Enter            send the message
   Escape           cancel the answer (at the next step)
   Ctrl+B / Ctrl+F  replay: step backward / forward through the denoising steps
-  Ctrl+T           export the answer's trace as JSON lines
-  Ctrl+O           sampler settings
+  Ctrl+T           export the answer's trace as JSON lines (a header, then the steps)
+  Ctrl+O           settings: sampler, thought channel, system prompt
   Ctrl+N           new chat (drops the cache)
-  Ctrl+Q           quit
+  Ctrl+Q           quit (an answer in progress stops at the next step first)
 
 environment:
   MLX_DGEMMA_MODEL  the model to use when --model is not given (~ is expanded);
