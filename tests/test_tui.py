@@ -219,6 +219,24 @@ async def test_new_chat_resets():
         assert str(screen(app).query_one("#canvas-title").render()) == "canvas"  # no stale "block 1, step 2/48"
 
 
+async def test_a_new_chat_in_replay_leaves_nothing_of_the_last_answer():
+    backend = ScriptedBackend(steps=2, blocks=2)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, backend)
+        await pilot.press("ctrl+b")  # replaying the last answer
+        s = screen(app)
+        assert s.cursor is not None and s._prefill_tps
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: backend.resets == 1)
+        assert s.cursor is None and s._last_done is None and s._prefill_tps is None and s._step_seconds == []
+        assert s.query_one(CanvasView).event is None and s.query_one("#chart").entropy == []
+        assert status_row(app).strip() == "new chat" and s.turn == 0
+        await send(pilot, "again")  # the next answer is live from its first step
+        await wait_for(pilot, lambda: done(app))
+        assert s.cursor is None and len(s.trace.steps) == 4 and s.trace.header["turn"] == 1
+
+
 async def test_chart_and_status_number_steps_alike():
     backend = ScriptedBackend(steps=4, blocks=2)
     app = DGemmaApp(backend)

@@ -8,6 +8,7 @@ from pathlib import Path
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.reactive import reactive
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
@@ -23,7 +24,11 @@ from ..widgets.chat_log import Answer, ChatLog
 from ..widgets.entropy import EntropyChart
 from ..widgets.status import StatusLine, finish_words
 
-REFRESH_HZ = 15  # the canvas redraws at most this often, however fast steps arrive
+# The canvas redraws at most this often, however fast steps arrive. A timer rather than
+# Message.can_replace: can_replace only drops steps still queued behind a newer one, so a fast
+# model would still redraw at every step the queue happens to hold alone; the timer bounds the
+# redraw rate whatever the arrival pattern, and every step still reaches the trace.
+REFRESH_HZ = 15
 PLACEHOLDERS = {"loading": "Loading the model…",
                 "ready": "Message (Enter to send)", "busy": "Answering… (Escape to cancel)"}
 
@@ -39,11 +44,14 @@ class ChatScreen(Screen):
         Binding("ctrl+t", "export", "Export"),
     ]
 
+    # An answer is under way: the prompt's placeholder follows (see watch_busy). Every
+    # assignment is watched: a "ready" after the load must replace "Loading the model…".
+    busy: reactive[bool] = reactive(False, always_update=True, init=False)
+
     def __init__(self, **kw):
         super().__init__(**kw)
         self.trace = Trace()
         self.cursor: tuple[int, int] | None = None  # replay position; None = live
-        self.busy = False
         self.answer: Answer | None = None
         self.answer_id = 0
         self.params: dict = {}  # sampler overrides (Ctrl+O)
@@ -75,6 +83,9 @@ class ChatScreen(Screen):
         yield StatusLine("starting…", id="status")
         yield Footer(compact=True)  # every binding, ^q Quit included, fits 80 columns
 
+    def watch_busy(self, busy: bool) -> None:
+        self.query_one("#prompt", Input).placeholder = PLACEHOLDERS["busy" if busy else "ready"]
+
     def on_mount(self) -> None:
         self.think, self.system = self.backend.think, self.backend.system
         self.set_interval(1 / REFRESH_HZ, self._flush)
@@ -93,12 +104,10 @@ class ChatScreen(Screen):
             prompt.placeholder = PLACEHOLDERS["loading"]
         elif m.state == "ready":
             self.busy = False
-            prompt.placeholder = PLACEHOLDERS["ready"]
             if m.detail:  # the model is loaded (after an answer the status line keeps its summary)
                 status.update(f"ready: {m.detail}")
         elif m.state == "busy":
             self.busy = True
-            prompt.placeholder = PLACEHOLDERS["busy"]
             status.update("answering: prefill…  escape: cancel")  # until the first step is drawn
         elif m.state == "failed":
             self.app.load_failed(m.detail)
@@ -186,21 +195,27 @@ class ChatScreen(Screen):
         m.input.value = ""
         self.answer_id += 1
         self.turn += 1
-        self.trace = Trace(header=self._trace_header(text))
-        self.cursor = None
-        self._step_seconds.clear()
-        self._last_done = None
-        self._prefill_tps = None
+        self._forget_answer(Trace(header=self._trace_header(text)))
         log = self.query_one(ChatLog)
         log.add_user(text)
         self.answer = log.add_answer(self.answer_id)
-        self.query_one(CanvasView).clear()
         canvas = self.backend.canvas_length or 256
         max_new = int(self.params.get("max_new_tokens") or self.backend.generation_config.get(
             "max_new_tokens", 256))
         self._blocks_planned = -(-max_new // canvas)
         self.busy = True
         self.app.engine.submit(Job("generate", text, {**self.params, "think": self.think}, self.answer_id))
+
+    def _forget_answer(self, trace: Trace) -> None:
+        """The one place that drops the last answer's steps, figures and canvas (a new answer,
+        a new chat): nothing of it can show in the next one."""
+        self.trace = trace
+        self.cursor = None
+        self._pending = None
+        self._last_done = None
+        self._prefill_tps = None
+        self._step_seconds.clear()
+        self.query_one(CanvasView).clear()
 
     def _trace_header(self, prompt: str) -> dict:
         """The exported trace's first record: the message, the settings in effect, the model."""
@@ -224,15 +239,10 @@ class ChatScreen(Screen):
         self.answer_id += 1
         self.app.engine.submit(Job("reset", params={"system": self.system}))
         self.turn = 0
-        self.trace = Trace()
-        self.cursor = None
         self.answer = None
-        self._pending = None
-        self._last_done = None
-        self._step_seconds.clear()
+        self._forget_answer(Trace())
         self.query_one(ChatLog).remove_children()
         self.query_one(CanvasTitle).clear()
-        self.query_one(CanvasView).clear()
         self.query_one(EntropyChart).set_block([], 0)
         self.query_one(StatusLine).update("new chat")
 
