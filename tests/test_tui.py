@@ -791,3 +791,21 @@ async def test_the_trace_header_carries_the_chosen_settings_and_the_turn(tmp_pat
     assert header["prompt"] == "second" and header["turn"] == 2
     assert header["seed"] == 7 and header["settings"]["t_max"] == 0.9 and "seed" not in header["settings"]
     assert header["thinking"] is True and header["system"] == "Be brief."
+
+
+async def test_quit_during_an_answer_says_stopping_and_waits_for_the_engine():
+    backend = ScriptedBackend(steps=200, blocks=1, delay=0.4)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        await send(pilot, "long")
+        await wait_for(pilot, lambda: len(screen(app).trace.steps) >= 1)
+        chat = screen(app)
+        quitting = app.run_worker(app.action_quit())  # Ctrl+Q, watched while it waits
+        await wait_for(pilot, lambda: app.stopping)
+        await pilot.pause(0.1)
+        assert status_row(app).strip().startswith("stopping…")
+        await quitting.wait()
+    assert not app.engine_running()  # joined before the app exits: no thread left inside MLX
+    assert backend.produced < 200 and app.return_code == 0
+    assert chat.trace.steps  # what was drawn stays; nothing after the quit was
