@@ -131,3 +131,10 @@ def test_ctrl_q_while_the_demo_answers_after_a_failed_load(tmp_path):
     ask(term)
     term.send(CTRL_Q)
     assert_clean_exit(term)
+
+
+def test_ctrl_q_while_the_model_loads_exits_cleanly():
+    term = Terminal("chat", "--demo")
+    term.wait_for(b"loading")  # the load stops between tensors
+    term.send(CTRL_Q)
+    assert_clean_exit(term)
