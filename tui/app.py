@@ -150,8 +150,8 @@ def run_app(model: str | None = None, demo: bool = False, dtype: str | None = No
     try:
         app.run()
     finally:
-        app.stop_engine()  # however the app ended
-        stopped = app.join_engine(QUIT_WAIT_S)
+        app.stop_engine()  # however the app ended (Ctrl+Q has waited already: not twice as long)
+        stopped = app.join_engine(1.0 if app.stopping else QUIT_WAIT_S)
     if app.load_error is not None:
         print(f"mlx-dgemma chat: error: {app.load_error}", file=sys.stderr)
     code = app.return_code or 0
