@@ -748,6 +748,9 @@ def test_chat_command_takes_think_and_system(monkeypatch):
     assert seen["think"] is True and seen["system"] == "Be brief."
     assert cli.main(["chat", "--demo"]) == 0
     assert seen["think"] is False and seen["system"] is None
+    seen.clear()
+    assert cli.main(["chat", "--demo", "--system", "a\udcff"]) == 2  # undecodable argv bytes: refused first
+    assert seen == {}
 
 
 def test_the_screenshot_script_writes_the_tracked_picture_only_when_asked(tmp_path, monkeypatch):
