@@ -174,9 +174,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     done: DoneEvent | None = None
     trace = None
     if args.trace:
-        from .trace import Trace
+        from dataclasses import asdict
 
-        trace = Trace()
+        from .generation import precision_label
+        from .sampler import SamplerParams
+        from .trace import Trace, trace_header
+
+        settings = asdict(SamplerParams.from_config(gen_cfg, **overrides))
+        trace = Trace(header=trace_header(args.prompt, settings, "demo model" if args.demo else str(args.model),
+                                          precision_label(model), seed=settings.pop("seed"),
+                                          thinking=args.think, raw=args.raw))
     with flag_errors(overrides):  # the flags against the model's config and vocabulary, before any work
         from .sampler import SamplerParams
 
@@ -230,7 +237,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from .precision import resolve_precision
 
     resolve_precision(args.precision, args.dtype)  # a contradiction is an error before the app starts
-    return run_app(model=args.model, demo=args.demo, dtype=args.dtype, precision=args.precision)
+    if args.system is not None:
+        from .tokenizer import check_text
+
+        check_text(args.system, "--system")
+    return run_app(model=args.model, demo=args.demo, dtype=args.dtype, precision=args.precision,
+                   think=args.think, system=args.system)
 
 
 CHAT_EPILOG = """\
@@ -238,10 +250,10 @@ keys:
   Enter            send the message
   Escape           cancel the answer (at the next step)
   Ctrl+B / Ctrl+F  replay: step backward / forward through the denoising steps
-  Ctrl+T           export the answer's trace as JSON lines
-  Ctrl+O           sampler settings
+  Ctrl+T           export the answer's trace as JSON lines (a header, then the steps)
+  Ctrl+O           settings: sampler, thought channel, system prompt
   Ctrl+N           new chat (drops the cache)
-  Ctrl+Q           quit
+  Ctrl+Q           quit (an answer in progress stops at the next step first)
 
 environment:
   MLX_DGEMMA_MODEL  the model to use when --model is not given (~ is expanded);
@@ -289,6 +301,8 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
                        epilog=CHAT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--model", help="converted directory or .gguf file (default: $MLX_DGEMMA_MODEL)")
     c.add_argument("--demo", action="store_true", help=DEMO_HELP)
+    c.add_argument("--think", action="store_true", help="enable the thought channel (shown collapsed; Ctrl+O changes it)")
+    c.add_argument("--system", metavar="TEXT", help="system prompt of the conversation (Ctrl+O changes it)")
     add_precision_args(c)
     c.set_defaults(func=_cmd_chat)
 

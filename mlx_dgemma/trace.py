@@ -1,5 +1,6 @@
 """The denoising trace of an answer: every StepEvent, grouped by block, exportable as JSON
-lines (one record per step). Used by the TUI's replay/export and ``generate --trace``."""
+lines: a header record (what was asked of which model, with which settings), then one record
+per step. Used by the TUI's replay/export and ``generate --trace``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .errors import ParameterError
 from .events import StepEvent
@@ -30,9 +31,27 @@ def check_trace_path(path: str | Path, name: str = "trace") -> Path:
     return p
 
 
+TRACE_FORMAT = 1  # the header's "format": raised when a record changes meaning
+
+
+def trace_header(prompt: str, settings: dict[str, Any], model: str, precision: str, *,
+                 seed: int | None = None, **extra: Any) -> dict[str, Any]:
+    """The first record of an exported trace: enough to know what produced the steps after it.
+
+    ``settings``: the sampler settings in effect (every field, the model's defaults included);
+    ``seed``: the seed given, or None when none was (a random seed: the run cannot be repeated);
+    ``extra``: other facts worth keeping (the chat app adds ``thinking``, ``system`` and ``turn``)."""
+    from . import __version__
+
+    return {"record": "header", "format": TRACE_FORMAT, "mlx_dgemma_version": __version__, "model": model,
+            "precision": precision, "prompt": prompt, "seed": seed,
+            "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}, **extra}
+
+
 @dataclass
 class Trace:
     blocks: list[list[StepEvent]] = field(default_factory=list)
+    header: dict[str, Any] | None = None  # written first by export_jsonl (see trace_header)
 
     def add(self, ev: StepEvent) -> None:
         while len(self.blocks) <= ev.block:
@@ -68,12 +87,13 @@ class Trace:
         return out
 
     def export_jsonl(self, path: str | Path, decode: Callable[[list[int]], str] | None = None) -> Path:
-        """Write one JSON object per step; written to a temporary file and renamed."""
+        """Write the header (if set), then one JSON object per step; written to a temporary file
+        and renamed."""
         path = check_trace_path(path)
         tmp = path.with_name(f".{path.name[:200]}.partial-{os.getpid()}")
         try:
             with open(tmp, "w") as f:
-                for rec in self.records(decode):
+                for rec in ([self.header] if self.header is not None else []) + self.records(decode):
                     f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             tmp.replace(path)
         except BaseException as e:

@@ -36,7 +36,8 @@ def test_cli_paths_expand_home(home, tiny_gguf, capsys):
     assert main(["generate", "--model", "~/models/new/dgemma", "--prompt", "hi", "--seed", "0", "--steps", "2",
                  "--max-tokens", "32", "--trace", "~/trace.jsonl"]) == 0
     records = [json.loads(x) for x in (home / "trace.jsonl").read_text().splitlines()]
-    assert records and records[0]["block"] == 1  # 1-based, as every user-facing number
+    assert records[0]["record"] == "header" and records[0]["prompt"] == "hi" and records[0]["seed"] == 0
+    assert records[1]["block"] == 1  # 1-based, as every user-facing number
     assert "all exact" in capsys.readouterr().out
 
 

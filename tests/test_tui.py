@@ -77,7 +77,7 @@ async def test_prompt_fills_canvas_step_by_step_and_answers():
         assert answer.rendered.startswith("The sky is blue because")
         assert answer._collapsible.display  # thought channel present, collapsed
         assert answer._collapsible.collapsed
-        assert "eos" in str(s.query_one("#status").render())
+        assert "finished: end of turn" in str(s.query_one("#status").render())
 
 
 async def test_cancel_stops_the_worker():
@@ -126,8 +126,16 @@ async def test_export_writes_json_lines(tmp_path):
         await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: app.last_export is not None)
     lines = app.last_export.read_text().splitlines()
-    assert len(lines) == 6
-    recs = [json.loads(x) for x in lines]
+    assert len(lines) == 1 + 6
+    header, *recs = [json.loads(x) for x in lines]
+    import mlx_dgemma
+
+    # the header says what produced the steps: the message, the settings in effect, the model
+    assert header["record"] == "header" and header["prompt"] == "q" and header["turn"] == 1
+    assert header["model"] == backend.label and header["precision"] == backend.precision_label
+    assert header["mlx_dgemma_version"] == mlx_dgemma.__version__ and header["seed"] is None
+    assert header["settings"]["max_denoising_steps"] == 48 and header["settings"]["t_min"] == 0.4
+    assert header["thinking"] is False and header["system"] is None
     assert [(r["block"], r["step"]) for r in recs] == [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)]
     assert all(len(r["canvas"]) == len(r["entropy"]) == len(r["accepted"]) == 16 for r in recs)
     assert recs[-1]["stopped"] and recs[0]["draft_text"].startswith("The sky")
@@ -157,6 +165,26 @@ async def test_settings_validate_and_apply():
         await send(pilot, "x")
         await wait_for(pilot, lambda: done(app))
         assert backend.prompts[0][1]["max_denoising_steps"] == 7
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("t_max", "5000", "first-step temperature: 5000 must be a temperature in [0.001, 1000]"),
+    ("t_max", "-1", "first-step temperature: -1 must be a temperature in [0.001, 1000]"),
+    ("t_min", "5000", "final temperature: 5000 must be a temperature in [0.001, 1000]"),
+    ("max_denoising_steps", "0", "max steps per block: 0 must be an integer in [1, 10000]"),
+])
+async def test_settings_name_a_fields_range_before_the_rules_between_fields(field, value, expected):
+    backend = ScriptedBackend(steps=2, blocks=1)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        await pilot.press("ctrl+o")
+        app.screen.query_one(f"#set-{field}").value = value
+        await pilot.click("#save")
+        assert isinstance(app.screen, SettingsScreen)
+        error = str(app.screen.query_one("#settings-error").render())
+        assert error == expected
+        assert "above" not in error and "below" not in error
 
 
 async def test_settings_cleared_field_means_the_models_default():
@@ -189,6 +217,24 @@ async def test_new_chat_resets():
         await wait_for(pilot, lambda: backend.resets == 1)
         assert not screen(app).query(Answer) and screen(app).trace.blocks == []
         assert str(screen(app).query_one("#canvas-title").render()) == "canvas"  # no stale "block 1, step 2/48"
+
+
+async def test_a_new_chat_in_replay_leaves_nothing_of_the_last_answer():
+    backend = ScriptedBackend(steps=2, blocks=2)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, backend)
+        await pilot.press("ctrl+b")  # replaying the last answer
+        s = screen(app)
+        assert s.cursor is not None and s._prefill_tps
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: backend.resets == 1)
+        assert s.cursor is None and s._last_done is None and s._prefill_tps is None and s._step_seconds == []
+        assert s.query_one(CanvasView).event is None and s.query_one("#chart").entropy == []
+        assert status_row(app).strip() == "new chat" and s.turn == 0
+        await send(pilot, "again")  # the next answer is live from its first step
+        await wait_for(pilot, lambda: done(app))
+        assert s.cursor is None and len(s.trace.steps) == 4 and s.trace.header["turn"] == 1
 
 
 async def test_chart_and_status_number_steps_alike():
@@ -368,14 +414,17 @@ def protocol_problems(backend) -> list[str]:
     """How ``backend`` differs from the Backend protocol: missing members, attributes of the
     wrong type, methods whose parameters differ (names and kinds, as the engine calls them)."""
     import inspect
+    import types
     import typing
 
     problems = [] if isinstance(backend, Backend) else ["not a Backend (runtime check)"]
     for name, kind in typing.get_type_hints(Backend).items():
         value = getattr(backend, name, problems)
+        origin = typing.get_origin(kind)
+        allowed = typing.get_args(kind) if origin in (typing.Union, types.UnionType) else (origin or kind)
         if value is problems:
             problems.append(f"{name}: missing")
-        elif not isinstance(value, typing.get_origin(kind) or kind):
+        elif not isinstance(value, allowed):
             problems.append(f"{name}: {type(value).__name__}, expected {kind}")
     for name, member in vars(Backend).items():
         if name.startswith("_") or not callable(member):
@@ -507,7 +556,7 @@ async def test_the_status_line_fits_80_and_100_columns(width):
         await ask(pilot, backend)
         await pilot.pause(0.1)
         done = status_row(app)
-        for part in ("eos: 2 block(s)", "8 steps", "0.25 s/step", "peak 0.20 GB", "fast (bfloat16)"):
+        for part in ("finished: end of turn", "8 steps", "0.25 s/step", "peak 0.20 GB", "fast (bfloat16)"):
             assert part in done, done
         await pilot.press("ctrl+b")
         await pilot.pause(0.1)
@@ -527,3 +576,239 @@ def test_status_parts_are_left_out_whole_least_important_first():
     assert fit(parts, 12) == "a  bb  cc  e"  # the rightmost of the highest rank goes first
     assert fit(parts, 9) == "a  cc  e"
     assert fit(parts, 1) == "a  e"  # rank 0 stays, even when too wide
+
+
+def screen_lines(app) -> list[str]:
+    return [strip.text for strip in app.screen._compositor.render_strips()]
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 30)])
+async def test_the_canvas_key_and_the_demo_banner_fit(size):
+    backend = ScriptedBackend(steps=4, blocks=2)
+    backend.is_demo = True
+    app = DGemmaApp(backend)
+    async with app.run_test(size=size) as pilot:
+        await ask(pilot, backend)
+        for replay in (False, True):
+            if replay:
+                await pilot.press("ctrl+b")
+            await pilot.pause()
+            title = screen(app).query_one("#canvas-title")
+            heading, key = [title.region.y + i for i in (0, 1)]
+            lines = screen_lines(app)
+            assert ("(replay)" in lines[heading]) == replay
+            # every part of the key, whole, inside the panel (the old one-line title lost them at 120)
+            shown = lines[key][title.region.x:title.region.right]
+            parts = ["now", "before", "draft", "entropy" if size[0] > 80 else "bg"]
+            assert all(p in shown for p in parts), shown
+        banner = screen(app).query_one("#demo-banner")
+        assert banner.region.height == 1  # one row, not 3-5 in the chat pane
+        top = lines[banner.region.y]
+        assert "DEMO" in top and "not DiffusionGemma's weights" in top and "…" not in top
+
+
+def test_the_canvas_key_is_the_longest_wording_that_fits():
+    from mlx_dgemma.tui.widgets.canvas import LEGENDS, legend
+
+    for width in range(20, 90):
+        shown = legend(width).plain
+        assert len(shown) <= width or shown == "".join(t for t, _ in LEGENDS[-1])
+        longer = [p for p in LEGENDS if sum(len(t) for t, _ in p) > len(shown)]
+        assert all(sum(len(t) for t, _ in p) > width for p in longer)  # no longer wording would fit
+
+
+async def test_canvas_cells_show_whole_words_where_there_is_room():
+    backend = ScriptedBackend(steps=2, blocks=1)  # 16 positions: room for wide cells
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, backend)
+        text = str(screen(app).query_one(CanvasView).render())
+        assert "scatters" in text and "…" not in text
+
+
+def test_canvas_cells_narrow_to_fit_every_position():
+    from mlx_dgemma.tui.widgets.canvas import CELL, MAX_CELL, cell_width
+
+    assert cell_width(68, 18, 64) == MAX_CELL  # 4 columns (of 17, capped) hold 64 positions in 18 rows
+    assert cell_width(45, 13, 64) == 9  # 5 columns: 13 rows hold 65 cells
+    assert cell_width(45, 4, 256) == CELL  # never narrower than the minimum (the panel scrolls/clips)
+    for w, h, n in [(68, 18, 64), (45, 13, 64), (120, 30, 256)]:
+        c = cell_width(w, h, n)
+        assert CELL <= c <= MAX_CELL
+        if c > CELL:
+            assert (w // c) * h >= n  # wider cells only when every position still fits
+
+
+async def test_a_cancelled_answer_says_where_it_stopped_and_shows_no_undefined_figures():
+    backend = ScriptedBackend(steps=200, blocks=1, delay=0.02)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=(140, 30)) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        await send(pilot, "long")
+        await wait_for(pilot, lambda: len(screen(app).trace.steps) >= 3)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: done(app))
+        await pilot.pause(0.1)
+        s = screen(app)
+        reached = s.trace.blocks[-1][-1].step
+        line = status_row(app)
+        assert f"cancelled at block 1, step {reached}" in line, line
+        # the answer committed no block: no tokens per forward, never "0.00 tok/fwd"
+        assert "tok/fwd" not in line and "0.00 s/step" not in line, line
+        assert f"{reached} steps" in line
+        await pilot.press("ctrl+b")
+        await pilot.pause(0.1)
+        replay = status_row(app)
+        assert "replay" in replay and "tok/fwd" not in replay and "0.00 s/step" not in replay, replay
+
+
+def test_the_summary_of_a_cancelled_prefill_names_no_steps():
+    from mlx_dgemma.events import DoneEvent
+    from mlx_dgemma.tui.widgets.status import summary_parts
+
+    done = DoneEvent("", "", (), "cancelled", 900, 1.5, 0.0, 0, (), 0.0, 0.0, 0.0, 100_000_000, "exact (float32)")
+    text = " | ".join(t for t, _ in summary_parts(done, None))
+    assert text.startswith("cancelled during the prefill")
+    for undefined in ("step", "s/step", "tok/fwd", "prefill 0", "replay"):
+        assert undefined not in text.replace("the prefill", ""), text
+    one = DoneEvent("a", "", (1,), "length", 9, 0.1, 90.0, 1, (1,), 0.5, 1.0, 0.6, 1, "")
+    text = " | ".join(t for t, _ in summary_parts(one))
+    assert text.startswith("stopped: max new tokens reached | 1 block | 1 step |"), text
+
+
+async def test_toasts_are_short_and_leave_the_status_line_visible():
+    from textual.widgets._toast import Toast
+
+    backend = ScriptedBackend(steps=2, blocks=1)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=(80, 24), notifications=True) as pilot:
+        await ask(pilot, backend)
+        before = status_row(app)
+        app.notify("Cancelling at the next step…")
+        await wait_for(pilot, lambda: app.screen.query(Toast))
+        await pilot.pause(0.1)
+        toast = app.screen.query_one(Toast)
+        status = screen(app).query_one("#status").region
+        assert toast.region.bottom <= status.y and toast.region.height == 1, (toast.region, status)
+        assert status_row(app) == before  # the summary is still readable under a toast
+        assert app.NOTIFICATION_TIMEOUT <= 3
+
+
+async def test_thought_channel_and_system_prompt_from_the_command_line_and_the_settings():
+    from textual.widgets import Checkbox, Input
+
+    backend = ScriptedBackend(steps=2, blocks=1, think=True, system="Answer in the style of the KJV.")
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, backend)
+        assert backend.thinks == [True]  # --think reaches the answer
+        await pilot.press("ctrl+o")
+        assert app.screen.query_one("#set-think", Checkbox).value is True
+        assert app.screen.query_one("#set-system", Input).value == "Answer in the style of the KJV."
+        app.screen.query_one("#set-think", Checkbox).value = False
+        app.screen.query_one("#set-system", Input).value = "Be brief."
+        app.screen.query_one("#save").press()
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+        # a new system prompt opens a new conversation (it comes first in the cache)
+        await wait_for(pilot, lambda: backend.systems == ["Be brief."])
+        await wait_for(pilot, lambda: not screen(app).query(Answer))
+        await ask(pilot, backend)
+        assert backend.thinks == [True, False]
+        await pilot.press("ctrl+o")  # thinking on again, same system prompt: the chat goes on
+        app.screen.query_one("#set-think", Checkbox).value = True
+        app.screen.query_one("#save").press()
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+        await ask(pilot, backend)
+        assert backend.thinks == [True, False, True] and backend.systems == ["Be brief."]
+        await pilot.press("ctrl+n")  # a new chat keeps the chosen system prompt
+        await wait_for(pilot, lambda: backend.systems == ["Be brief.", "Be brief."])
+
+
+def test_the_model_backend_passes_thinking_and_the_system_prompt_to_the_session(tiny_model_dir):
+    backend = ModelBackend(model=str(tiny_model_dir), think=True, system="S1")
+    backend.load(lambda line: None)
+    assert backend.session.enable_thinking is True
+    assert backend.session.messages == [{"role": "system", "content": "S1"}]
+    events = list(backend.stream("hi", lambda: False, think=False, max_new_tokens=1, max_denoising_steps=1, seed=0))
+    assert backend.session.enable_thinking is False and events
+    assert [m["role"] for m in backend.session.messages] == ["system", "user", "assistant"]
+    backend.reset("S2")
+    assert backend.session.messages == [{"role": "system", "content": "S2"}] and not backend.session.history
+    backend.reset(None)
+    assert backend.session.messages == []
+
+
+def test_chat_command_takes_think_and_system(monkeypatch):
+    from mlx_dgemma import cli
+    from mlx_dgemma.tui import app as app_module
+
+    seen = {}
+    monkeypatch.setattr(app_module, "run_app", lambda **kw: seen.update(kw) or 0)
+    assert cli.main(["chat", "--demo", "--think", "--system", "Be brief."]) == 0
+    assert seen["think"] is True and seen["system"] == "Be brief."
+    assert cli.main(["chat", "--demo"]) == 0
+    assert seen["think"] is False and seen["system"] is None
+    seen.clear()
+    assert cli.main(["chat", "--demo", "--system", "a\udcff"]) == 2  # undecodable argv bytes: refused first
+    assert seen == {}
+
+
+def test_the_screenshot_script_writes_the_tracked_picture_only_when_asked(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "screenshot.py"
+    spec = importlib.util.spec_from_file_location("screenshot_script", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    docs = script.parent.parent / "docs" / "screenshot.svg"
+    monkeypatch.chdir(tmp_path)
+    assert mod.output_path(None, False) == Path("screenshot.svg")  # untracked, in the current directory
+    assert mod.output_path(str(tmp_path / "x.svg"), False) == tmp_path / "x.svg"
+    assert mod.output_path(None, True) == docs.resolve()
+    with pytest.raises(SystemExit, match="--update-docs"):
+        mod.output_path(str(docs), False)
+    shots = []
+
+    async def shoot(path, *args):  # the app itself is not run here
+        shots.append(path)
+
+    monkeypatch.setattr(mod, "shoot", shoot)
+    assert mod.main([]) == 0 and shots == ["screenshot.svg"]
+    with pytest.raises(SystemExit):
+        mod.main([str(docs)])
+    assert shots == ["screenshot.svg"]
+
+
+async def test_the_trace_header_carries_the_chosen_settings_and_the_turn(tmp_path):
+    backend = ScriptedBackend(steps=2, blocks=1, think=True, system="Be brief.")
+    app = DGemmaApp(backend, trace_dir=tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, backend, "first")
+        screen(app).params = {"seed": 7, "t_max": 0.9}
+        await send(pilot, "second")
+        await wait_for(pilot, lambda: len(backend.prompts) == 2 and done(app))
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: app.last_export is not None)
+    header = json.loads(app.last_export.read_text().splitlines()[0])
+    assert header["prompt"] == "second" and header["turn"] == 2
+    assert header["seed"] == 7 and header["settings"]["t_max"] == 0.9 and "seed" not in header["settings"]
+    assert header["thinking"] is True and header["system"] == "Be brief."
+
+
+async def test_quit_during_an_answer_says_stopping_and_waits_for_the_engine():
+    backend = ScriptedBackend(steps=200, blocks=1, delay=0.4)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        await send(pilot, "long")
+        await wait_for(pilot, lambda: len(screen(app).trace.steps) >= 1)
+        chat = screen(app)
+        quitting = app.run_worker(app.action_quit())  # Ctrl+Q, watched while it waits
+        await wait_for(pilot, lambda: app.stopping)
+        await pilot.pause(0.1)
+        assert status_row(app).strip().startswith("stopping…")
+        await quitting.wait()
+    assert not app.engine_running()  # joined before the app exits: no thread left inside MLX
+    assert backend.produced < 200 and app.return_code == 0
+    assert chat.trace.steps  # what was drawn stays; nothing after the quit was

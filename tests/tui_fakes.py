@@ -22,18 +22,23 @@ class ScriptedBackend:
     generation_config = {"max_denoising_steps": 48, "t_min": 0.4, "t_max": 0.8, "entropy_bound": 0.1,
                          "stability_threshold": 1, "confidence_threshold": 0.005, "max_new_tokens": 32}
 
-    def __init__(self, steps: int = 6, blocks: int = 2, delay: float = 0.0):
+    def __init__(self, steps: int = 6, blocks: int = 2, delay: float = 0.0, think: bool = False,
+                 system: str | None = None):
         self.steps, self.blocks, self.delay = steps, blocks, delay
+        self.think, self.system = think, system
+        self.systems: list[str | None] = []  # the system prompt of each new chat
         self.loaded = self.resets = 0
         self.prompts: list[tuple[str, dict]] = []
+        self.thinks: list[bool] = []  # the thought channel of each answer
         self.produced = 0  # steps yielded so far (engine thread)
 
     def load(self, progress: Callable[[str], None]) -> None:
         progress("scripted")
         self.loaded += 1
 
-    def reset(self) -> None:
+    def reset(self, system: str | None = None) -> None:
         self.resets += 1
+        self.systems.append(system)
 
     def piece(self, token_id: int) -> str:
         return WORDS[token_id % len(WORDS)]
@@ -44,8 +49,9 @@ class ScriptedBackend:
     def memory_bytes(self) -> int:
         return 123_000_000
 
-    def stream(self, prompt: str, cancel: Callable[[], bool], **params: Any) -> Iterator[Event]:
+    def stream(self, prompt: str, cancel: Callable[[], bool], think: bool = False, **params: Any) -> Iterator[Event]:
         self.prompts.append((prompt, params))
+        self.thinks.append(think)
         C, N = self.canvas_length, self.steps
         yield PrefillEvent(20, 0.5)
         out, done_steps = [], 0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from textual.app import App
@@ -14,12 +16,16 @@ from mlx_dgemma.paths import user_path
 from .engine import Backend, Engine, Job, ModelBackend
 
 LOAD_FAILED_EXIT = 2  # the exit status when the user quits while no model could be loaded
+# How long Ctrl+Q waits for the engine to finish its current step (or tensor of a load) and
+# stop. A demo step takes ~1 s on a CPU; a real model's step a few seconds at worst.
+QUIT_WAIT_S = 15.0
 
 
 class DGemmaApp(App):
     CSS_PATH = "dgemma.tcss"
     TITLE = "mlx-dgemma"
     BINDINGS = [("ctrl+q", "quit", "Quit")]
+    NOTIFICATION_TIMEOUT = 3  # seconds (Textual's 5 left toasts over the chart long after they were read)
 
     def __init__(self, backend: Backend | None = None, trace_dir: str | Path = ".", **kw):
         super().__init__(**kw)
@@ -28,6 +34,8 @@ class DGemmaApp(App):
         self.trace_dir = Path(trace_dir)
         self.last_export: Path | None = None
         self.load_error: str | None = None  # set while the model could not be loaded
+        self.engine_threads: list[threading.Thread] = []  # every engine thread started (a failed load leaves one)
+        self.stopping = False  # Ctrl+Q pressed: waiting for the engine to stop
 
     def on_mount(self) -> None:
         if self.backend is None:
@@ -38,7 +46,8 @@ class DGemmaApp(App):
             self._start()
 
     def start_demo(self) -> None:
-        self.backend = ModelBackend(demo=True)
+        old = self.backend  # the chat options given on the command line carry over to the demo
+        self.backend = ModelBackend(demo=True, think=getattr(old, "think", False), system=getattr(old, "system", None))
         self.load_error = None
         self.pop_screen()
         self._start()
@@ -73,14 +82,48 @@ class DGemmaApp(App):
         """The one thread that runs MLX for the whole session (see engine.py). A daemon thread,
         not a Textual thread worker: those run in asyncio's default executor, which the app's
         exit joins, so a stuck load or template render would keep Ctrl+Q from quitting."""
-        threading.Thread(target=engine.run, name="mlx-dgemma-engine", daemon=True).start()
+        thread = threading.Thread(target=engine.run, name="mlx-dgemma-engine", daemon=True)
+        self.engine_threads.append(thread)
+        thread.start()
 
-    async def action_quit(self) -> None:
-        self.exit(return_code=LOAD_FAILED_EXIT if self.load_error is not None else 0)
+    def engine_running(self) -> bool:
+        return any(t.is_alive() for t in self.engine_threads)
 
-    def on_unmount(self) -> None:
+    def stop_engine(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+
+    def join_engine(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every engine thread to end; whether they all did."""
+        end = time.monotonic() + timeout
+        for t in self.engine_threads:
+            t.join(max(0.0, end - time.monotonic()))
+        return not self.engine_running()
+
+    async def action_quit(self) -> None:
+        """Stop the engine, wait (bounded) until its thread has left MLX, then exit: an
+        interpreter that shuts down while the thread runs MLX aborts the process."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.stop_engine()
+        if self.engine_running():
+            self._show_stopping()
+            end = time.monotonic() + QUIT_WAIT_S
+            while self.engine_running() and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+        self.exit(return_code=LOAD_FAILED_EXIT if self.load_error is not None else 0)
+
+    def _show_stopping(self) -> None:
+        from .screens.chat import ChatScreen
+        from .widgets.status import StatusLine
+
+        for screen in self.screen_stack:
+            if isinstance(screen, ChatScreen):
+                screen.query_one(StatusLine).update("stopping… (finishing the current step)")
+
+    def on_unmount(self) -> None:
+        self.stop_engine()
 
 
 def configured_model() -> str | None:
@@ -90,19 +133,36 @@ def configured_model() -> str | None:
 
 
 def run_app(model: str | None = None, demo: bool = False, dtype: str | None = None,
-            precision: str = "auto") -> int:
-    """Run the chat app; the exit status is non-zero if the user quits with no model loaded."""
+            precision: str = "auto", think: bool = False, system: str | None = None) -> int:
+    """Run the chat app; the exit status is non-zero if the user quits with no model loaded.
+    ``think`` and ``system``: the thought channel and the system prompt to start with."""
     from mlx_dgemma.errors import ModelFilesError
 
     from_env = not model and not demo
     model = str(user_path(model)) if model else (configured_model() if from_env else None)
-    backend = ModelBackend(model=model, demo=demo, dtype=dtype, precision=precision) if (model or demo) else None
+    backend = ModelBackend(model=model, demo=demo, dtype=dtype, precision=precision, think=think,
+                           system=system) if (model or demo) else None
     if model and not demo and not Path(model).exists():
         source = " (from MLX_DGEMMA_MODEL)" if from_env else ""
         raise ModelFilesError(f"{model}{source}: no such file or directory; give a .gguf file or a directory "
                               "written by `mlx-dgemma convert`")
     app = DGemmaApp(backend)
-    app.run()
+    try:
+        app.run()
+    finally:
+        app.stop_engine()  # however the app ended (Ctrl+Q has waited already: not twice as long)
+        stopped = app.join_engine(1.0 if app.stopping else QUIT_WAIT_S)
     if app.load_error is not None:
         print(f"mlx-dgemma chat: error: {app.load_error}", file=sys.stderr)
-    return app.return_code or 0
+    code = app.return_code or 0
+    if not stopped:
+        # The engine is still inside one MLX call (a step or a tensor of a load that takes
+        # longer than QUIT_WAIT_S). Exiting the interpreter now would abort the process in
+        # MLX's teardown; end it without that teardown instead (nothing is left unwritten:
+        # traces are written by the UI thread, whole, before this point).
+        print(f"mlx-dgemma chat: the model was still busy after {QUIT_WAIT_S:.0f} s; exiting without "
+              "waiting for it", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

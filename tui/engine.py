@@ -31,15 +31,19 @@ class Backend(Protocol):
     canvas_length: int  # tokens per block (known once loaded)
     precision_label: str  # the runtime precision, e.g. "fast (bfloat16)" (known once loaded)
     generation_config: dict[str, Any]  # the model's sampler defaults (known once loaded)
+    think: bool  # the thought channel at start (``--think``); the settings screen can change it
+    system: str | None  # the system prompt at start (``--system``); each new chat takes the current one
 
     def load(self, progress: Callable[[str], None]) -> None:
         """Load the model, reporting progress as short lines; raise DGemmaError to fail."""
 
-    def stream(self, prompt: str, cancel: Callable[[], bool], **params: Any) -> Iterator[Event]:
-        """The next turn of the conversation as ``stream_generate`` events; stop at ``cancel()``."""
+    def stream(self, prompt: str, cancel: Callable[[], bool], think: bool = False,
+               **params: Any) -> Iterator[Event]:
+        """The next turn of the conversation as ``stream_generate`` events; stop at ``cancel()``.
+        ``think``: enable the thought channel for this turn; ``params``: sampler overrides."""
 
-    def reset(self) -> None:
-        """Forget the conversation (a new chat)."""
+    def reset(self, system: str | None = None) -> None:
+        """Forget the conversation (a new chat), which starts with ``system`` as its system prompt."""
 
     def memory_bytes(self) -> int:
         """Memory the process holds now."""
@@ -63,8 +67,10 @@ class ModelBackend:
     """The real model behind a :class:`mlx_dgemma.ChatSession` (a :class:`Backend`)."""
 
     def __init__(self, model: str | None = None, demo: bool = False, dtype: str | None = None,
-                 precision: str = "auto"):
+                 precision: str = "auto", think: bool = False, system: str | None = None):
         self.model_path, self.demo, self.dtype, self.precision = model, demo, dtype, precision
+        self.think, self.system = think, system or None
+        self.model = None
         self.session = None
         self.tokenizer = None
         self.generation_config: dict[str, Any] = {}
@@ -85,14 +91,22 @@ class ModelBackend:
         self.generation_config = dict(getattr(model, "generation_config", {}) or {})
         self.canvas_length = model.args.canvas_length
         self.precision_label = precision_label(model)
-        self.session = ChatSession(model, tok, self.generation_config)
+        self.model = model
+        self.session = ChatSession(model, tok, self.generation_config, enable_thinking=self.think,
+                                   system=self.system)
 
-    def stream(self, prompt: str, cancel: Callable[[], bool], **params: Any) -> Iterator[Event]:
+    def stream(self, prompt: str, cancel: Callable[[], bool], think: bool = False,
+               **params: Any) -> Iterator[Event]:
+        self.session.enable_thinking = think  # per turn: a follow-up's markup says whether to think
         yield from self.session.stream(prompt, cancel=cancel, **params)
 
-    def reset(self) -> None:
-        if self.session is not None:
-            self.session.reset()
+    def reset(self, system: str | None = None) -> None:
+        from mlx_dgemma.generation import ChatSession
+
+        self.system = system or None
+        if self.model is not None:  # the system prompt opens the cache: a new session, not an edit
+            self.session = ChatSession(self.model, self.tokenizer, self.generation_config,
+                                       enable_thinking=self.session.enable_thinking, system=self.system)
 
     def piece(self, token_id: int) -> str:
         return self.tokenizer.piece(token_id) if self.tokenizer else str(token_id)
@@ -112,14 +126,24 @@ def describe_error(e: Exception) -> str:
     return str(e) if isinstance(e, DGemmaError) else f"{type(e).__name__}: {e}"
 
 
+class _Stopped(Exception):
+    """Raised inside a load (at its next progress report) once the app has asked the engine to stop."""
+
+
 class Engine:
-    """The job loop. ``run`` is the body of the app's single engine thread."""
+    """The job loop. ``run`` is the body of the app's single engine thread.
+
+    :meth:`stop` ends it at the next safe point: between denoising steps or prefill chunks
+    (through the cancel check ``stream_generate`` polls), between tensors of a load, or
+    before the next queued job. The app joins the thread before the interpreter exits: MLX
+    must not be running on it then (that aborted the process)."""
 
     def __init__(self, backend: Backend, post: Callable[[Message], None]):
         self.backend = backend
         self._post = post
         self._jobs: queue.Queue[Job] = queue.Queue()
         self.cancel_flag = threading.Event()
+        self.stopping = threading.Event()  # set once, by stop(): the loop ends
         self.loaded = False
 
     def submit(self, job: Job) -> None:
@@ -131,16 +155,27 @@ class Engine:
         self.cancel_flag.set()
 
     def stop(self) -> None:
+        self.stopping.set()
         self.cancel_flag.set()
-        self._jobs.put(Job("stop"))
+        self._jobs.put(Job("stop"))  # wakes the loop if it is waiting for a job
+
+    def _cancelled(self) -> bool:
+        return self.cancel_flag.is_set() or self.stopping.is_set()
+
+    def _progress(self, detail: str) -> None:
+        if self.stopping.is_set():
+            raise _Stopped
+        self._post(EngineStatus("loading", detail))
 
     def run(self) -> None:
-        while True:
+        while not self.stopping.is_set():
             job = self._jobs.get()
-            if job.kind == "stop":
+            if job.kind == "stop" or self.stopping.is_set():
                 return
             try:
                 self._do(job)
+            except _Stopped:
+                return
             except Exception as e:  # shown in the app; the loop keeps serving
                 if job.kind == "load":
                     self._post(EngineStatus("failed", describe_error(e)))  # the app offers what to do
@@ -151,15 +186,15 @@ class Engine:
     def _do(self, job: Job) -> None:
         if job.kind == "load":
             self._post(EngineStatus("loading", self.backend.label))
-            self.backend.load(lambda detail: self._post(EngineStatus("loading", detail)))
+            self.backend.load(self._progress)
             self.loaded = True
             self._post(EngineStatus("ready", self.backend.label))
         elif job.kind == "reset":
-            self.backend.reset()
+            self.backend.reset(**job.params)
         elif job.kind == "generate":
             if not self.loaded:
                 return  # queued while a load was failing; the app has left the chat
             self._post(EngineStatus("busy"))
-            for ev in self.backend.stream(job.prompt, self.cancel_flag.is_set, **job.params):
+            for ev in self.backend.stream(job.prompt, self._cancelled, **job.params):
                 self._post(EngineEvent(ev, job.answer_id))
             self._post(EngineStatus("ready"))

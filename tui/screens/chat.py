@@ -5,25 +5,30 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import Footer, Input, Static
+from textual.widgets import Footer, Input
 
 from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
-from mlx_dgemma.trace import Trace
+from mlx_dgemma.trace import Trace, trace_header
 
 from ..engine import Backend, Job
 from ..messages import EngineError, EngineEvent, EngineStatus
-from ..widgets.canvas import CanvasView
+from ..widgets.banner import DemoBanner
+from ..widgets.canvas import CanvasTitle, CanvasView
 from ..widgets.chat_log import Answer, ChatLog
 from ..widgets.entropy import EntropyChart
-from ..widgets.status import StatusLine
+from ..widgets.status import StatusLine, finish_words
 
-REFRESH_HZ = 15  # the canvas redraws at most this often, however fast steps arrive
+# The canvas redraws at most this often, however fast steps arrive. A timer rather than
+# Message.can_replace: can_replace only drops steps still queued behind a newer one, so a fast
+# model would still redraw at every step the queue happens to hold alone; the timer bounds the
+# redraw rate whatever the arrival pattern, and every step still reaches the trace.
+REFRESH_HZ = 15
 PLACEHOLDERS = {"loading": "Loading the model…",
                 "ready": "Message (Enter to send)", "busy": "Answering… (Escape to cancel)"}
 
@@ -39,14 +44,20 @@ class ChatScreen(Screen):
         Binding("ctrl+t", "export", "Export"),
     ]
 
+    # An answer is under way: the prompt's placeholder follows (see watch_busy). Every
+    # assignment is watched: a "ready" after the load must replace "Loading the model…".
+    busy: reactive[bool] = reactive(False, always_update=True, init=False)
+
     def __init__(self, **kw):
         super().__init__(**kw)
         self.trace = Trace()
         self.cursor: tuple[int, int] | None = None  # replay position; None = live
-        self.busy = False
         self.answer: Answer | None = None
         self.answer_id = 0
-        self.params: dict = {}
+        self.params: dict = {}  # sampler overrides (Ctrl+O)
+        self.think = False  # the thought channel, per answer (--think, Ctrl+O)
+        self.system: str | None = None  # the system prompt of the next new chat (--system, Ctrl+O)
+        self.turn = 0  # user messages in this chat
         self._pending: StepEvent | None = None
         self._prefill_tps: float | None = None
         self._step_seconds: list[float] = []
@@ -59,22 +70,24 @@ class ChatScreen(Screen):
 
     def compose(self) -> ComposeResult:
         backend = self.backend
+        if backend.is_demo:  # one row across the screen, not several in the narrow chat pane
+            yield DemoBanner(id="demo-banner")
         with Horizontal(id="main"):
             with Vertical(id="chat-pane"):
-                if backend.is_demo:
-                    yield Static("DEMO MODEL: a tiny model trained on the King James Bible, not "
-                                 "DiffusionGemma's weights. The denoising is the real sampler's.",
-                                 id="demo-banner")
                 yield ChatLog(id="chat-log")
                 yield Input(placeholder=PLACEHOLDERS["loading"], id="prompt")
             with Vertical(id="diffusion-pane"):
-                yield Static("canvas", id="canvas-title")
+                yield CanvasTitle(id="canvas-title")
                 yield CanvasView(piece=backend.piece, id="canvas")
                 yield EntropyChart(id="chart")
         yield StatusLine("starting…", id="status")
         yield Footer(compact=True)  # every binding, ^q Quit included, fits 80 columns
 
+    def watch_busy(self, busy: bool) -> None:
+        self.query_one("#prompt", Input).placeholder = PLACEHOLDERS["busy" if busy else "ready"]
+
     def on_mount(self) -> None:
+        self.think, self.system = self.backend.think, self.backend.system
         self.set_interval(1 / REFRESH_HZ, self._flush)
         self.query_one(Input).focus()
 
@@ -82,6 +95,8 @@ class ChatScreen(Screen):
 
     @on(EngineStatus)
     def _on_status(self, m: EngineStatus) -> None:
+        if self.app.stopping:
+            return  # quitting: the status line says "stopping…" until the engine has stopped
         # every state shows: the status line says what happens, the prompt whether to type
         status, prompt = self.query_one(StatusLine), self.query_one("#prompt", Input)
         if m.state == "loading":
@@ -89,12 +104,10 @@ class ChatScreen(Screen):
             prompt.placeholder = PLACEHOLDERS["loading"]
         elif m.state == "ready":
             self.busy = False
-            prompt.placeholder = PLACEHOLDERS["ready"]
             if m.detail:  # the model is loaded (after an answer the status line keeps its summary)
                 status.update(f"ready: {m.detail}")
         elif m.state == "busy":
             self.busy = True
-            prompt.placeholder = PLACEHOLDERS["busy"]
             status.update("answering: prefill…  escape: cancel")  # until the first step is drawn
         elif m.state == "failed":
             self.app.load_failed(m.detail)
@@ -109,8 +122,8 @@ class ChatScreen(Screen):
 
     @on(EngineEvent)
     def _on_event(self, m: EngineEvent) -> None:
-        if m.answer_id != self.answer_id:
-            return  # a late event of an answer the user has left
+        if m.answer_id != self.answer_id or self.app.stopping:
+            return  # a late event of an answer the user has left, or the app is quitting
         ev = m.event
         if isinstance(ev, PrefillProgressEvent):  # a long prompt: chunks done so far; Escape stops between chunks
             self.query_one(StatusLine).update(f"prefill {ev.tokens_done:,}/{ev.tokens_total:,} tokens "
@@ -126,14 +139,14 @@ class ChatScreen(Screen):
         elif isinstance(ev, DoneEvent):
             self._last_done = ev
             if self.answer is not None:
-                note = "" if ev.finish_reason == "eos" else f"({ev.finish_reason})"
+                note = "" if ev.finish_reason == "eos" else f"({finish_words(ev, self._reached())})"
                 self.answer.set_text(ev.text, ev.thinking, note)
             self._flush()
             self._show_summary(ev)
 
     def _flush(self) -> None:
         ev, self._pending = self._pending, None
-        if ev is None or self.cursor is not None:
+        if ev is None or self.cursor is not None or self.app.stopping:
             return
         self._draw(ev.block, len(self.trace.blocks[ev.block]) - 1)
 
@@ -146,22 +159,28 @@ class ChatScreen(Screen):
 
             earlier = np.any([s.accepted for s in steps[:index]], axis=0)
         live = "" if self.cursor is None else "  (replay)"
-        self.query_one("#canvas-title", Static).update(Text.assemble(
-            f"canvas: block {block + 1}, step {ev.step}/{ev.max_steps}{live}   ",
-            ("accepted now", "bold bright_green"), " ", ("accepted before", "cyan"), " ",
-            ("draft", "grey58 italic"), " ", ("bg: entropy", "on rgb(140,70,45)")))
+        self.query_one(CanvasTitle).show(
+            f"canvas: block {block + 1}, step {ev.step}/{ev.max_steps}{live}")
         self.query_one(CanvasView).show(ev, earlier)
         self.query_one(EntropyChart).set_block(steps, ev.canvas.size, index)
         spf = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0
         done = self._last_done
+        tpf = done.tokens_per_forward if done and done.tokens_per_forward > 0 else None  # none if no block was committed
         self.query_one(StatusLine).show_step(
             ev, max(self._blocks_planned, len(self.trace.blocks)), spf,
-            done.tokens_per_forward if done else None, self._prefill_tps, self.backend.memory_bytes(),
+            tpf, self._prefill_tps, self.backend.memory_bytes(),
             "replay ^b/^f" if self.cursor is not None else "",
             precision=self.backend.precision_label)
 
+    def _reached(self) -> tuple[int, int] | None:
+        """The block and step (both from 1) the answer had reached, if it reached any: the
+        block is counted in the trace, so it does not depend on how events number blocks."""
+        if not self.trace.blocks or not self.trace.blocks[-1]:
+            return None
+        return len(self.trace.blocks), self.trace.blocks[-1][-1].step
+
     def _show_summary(self, done: DoneEvent) -> None:
-        self.query_one(StatusLine).show_summary(done)
+        self.query_one(StatusLine).show_summary(done, self._reached())
 
     # user actions ---------------------------------------------------------------------------
 
@@ -175,21 +194,39 @@ class ChatScreen(Screen):
             return
         m.input.value = ""
         self.answer_id += 1
-        self.trace = Trace()
-        self.cursor = None
-        self._step_seconds.clear()
-        self._last_done = None
-        self._prefill_tps = None
+        self.turn += 1
+        self._forget_answer(Trace(header=self._trace_header(text)))
         log = self.query_one(ChatLog)
         log.add_user(text)
         self.answer = log.add_answer(self.answer_id)
-        self.query_one(CanvasView).clear()
         canvas = self.backend.canvas_length or 256
         max_new = int(self.params.get("max_new_tokens") or self.backend.generation_config.get(
             "max_new_tokens", 256))
         self._blocks_planned = -(-max_new // canvas)
         self.busy = True
-        self.app.engine.submit(Job("generate", text, dict(self.params), self.answer_id))
+        self.app.engine.submit(Job("generate", text, {**self.params, "think": self.think}, self.answer_id))
+
+    def _forget_answer(self, trace: Trace) -> None:
+        """The one place that drops the last answer's steps, figures and canvas (a new answer,
+        a new chat): nothing of it can show in the next one."""
+        self.trace = trace
+        self.cursor = None
+        self._pending = None
+        self._last_done = None
+        self._prefill_tps = None
+        self._step_seconds.clear()
+        self.query_one(CanvasView).clear()
+
+    def _trace_header(self, prompt: str) -> dict:
+        """The exported trace's first record: the message, the settings in effect, the model."""
+        from dataclasses import asdict
+
+        from mlx_dgemma.sampler import SamplerParams
+
+        settings = asdict(SamplerParams.from_config(self.backend.generation_config, **self.params))
+        return trace_header(prompt, settings, self.backend.label, self.backend.precision_label,
+                            seed=settings.pop("seed"), thinking=self.think, system=self.system,
+                            turn=self.turn)
 
     def action_cancel(self) -> None:
         if self.busy:
@@ -200,29 +237,30 @@ class ChatScreen(Screen):
         if self.busy:
             self.app.engine.cancel()
         self.answer_id += 1
-        self.app.engine.submit(Job("reset"))
-        self.trace = Trace()
-        self.cursor = None
+        self.app.engine.submit(Job("reset", params={"system": self.system}))
+        self.turn = 0
         self.answer = None
-        self._pending = None
-        self._last_done = None
-        self._step_seconds.clear()
+        self._forget_answer(Trace())
         self.query_one(ChatLog).remove_children()
-        self.query_one("#canvas-title", Static).update("canvas")
-        self.query_one(CanvasView).clear()
+        self.query_one(CanvasTitle).clear()
         self.query_one(EntropyChart).set_block([], 0)
         self.query_one(StatusLine).update("new chat")
 
     def action_settings(self) -> None:
-        from .settings import SettingsScreen, describe
+        from .settings import Settings, SettingsScreen, describe
 
-        def done(result: dict | None) -> None:
-            if result is not None:
-                self.params = result
-                self.app.notify(describe(result))
+        def done(result: Settings | None) -> None:
+            if result is None:
+                return
+            self.params, self.think = result.sampler, result.think
+            if result.system != self.system:  # the system prompt opens a conversation: a new one
+                self.system = result.system
+                self.action_new_chat()
+                self.app.notify("New chat with " + ("the new system prompt." if self.system else "no system prompt."))
+            self.app.notify(describe(result))
 
         defaults = dict(self.backend.generation_config)
-        self.app.push_screen(SettingsScreen({**defaults, **self.params}, defaults), done)
+        self.app.push_screen(SettingsScreen({**defaults, **self.params}, defaults, self.think, self.system), done)
 
     def action_replay(self, delta: int) -> None:
         steps = self.trace.steps

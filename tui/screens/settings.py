@@ -1,16 +1,21 @@
-"""Sampler settings (validated with the same rules as the API). An empty field means the
-model's own default (shown as the placeholder); errors name the field by its label."""
+"""Sampler settings (validated with the same rules as the API) and the chat's own: the
+thought channel and the system prompt. An empty sampler field means the model's own default
+(shown as the placeholder); errors name the field by its label."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from textual import on
 from textual.app import ComposeResult
 from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label
+from textual.widgets import Button, Checkbox, Input, Label
+
+from mlx_dgemma.tokenizer import check_text
 
 from mlx_dgemma.errors import ParameterError
-from mlx_dgemma.sampler import SamplerParams
+from mlx_dgemma.sampler import SamplerParams, check_field
 
 FIELDS = [
     ("max_denoising_steps", "max steps per block", int),
@@ -26,19 +31,30 @@ LABELS = {name: label for name, label, _ in FIELDS}
 KIND_NAMES = {int: "a whole number", float: "a number"}
 
 
-class SettingsScreen(ModalScreen[dict | None]):
-    """Returns the overrides (only the fields that differ from the model's defaults), or None."""
+@dataclass(frozen=True)
+class Settings:
+    """What the dialog returns: the sampler overrides (only the fields that differ from the
+    model's defaults), the thought channel, and the system prompt (None: none)."""
+
+    sampler: dict = field(default_factory=dict)
+    think: bool = False
+    system: str | None = None
+
+
+class SettingsScreen(ModalScreen[Settings | None]):
+    """Returns the :class:`Settings` chosen, or None (cancelled)."""
 
     BINDINGS = [("escape", "dismiss(None)", "Close")]
 
-    def __init__(self, values: dict, defaults: dict | None = None):
+    def __init__(self, values: dict, defaults: dict | None = None, think: bool = False, system: str | None = None):
         super().__init__()
         self.values = values  # what the fields show: the model's defaults with the current overrides
         self.defaults = dict(values if defaults is None else defaults)  # the model's own
+        self.think, self.system = think, system
 
     def compose(self) -> ComposeResult:
         with Vertical(id="settings"):
-            yield Label("Sampler settings (empty = the model's default)", id="settings-title")
+            yield Label("Settings (an empty sampler field = the model's default)", id="settings-title")
             with Grid(id="settings-grid"):
                 for name, label, _ in FIELDS:
                     yield Label(label)
@@ -46,6 +62,10 @@ class SettingsScreen(ModalScreen[dict | None]):
                     default = self.defaults.get(name)
                     yield Input(value="" if v is None else str(v), id=f"set-{name}",
                                 placeholder="random" if default is None else f"default {default}")
+                yield Label("thought channel")
+                yield Checkbox("think before answering", self.think, id="set-think")
+                yield Label("system prompt (new chat)")
+                yield Input(value=self.system or "", id="set-system", placeholder="none")
             yield Label("", id="settings-error")
             with Horizontal(id="settings-buttons"):
                 yield Button("Save", variant="primary", id="save")
@@ -60,15 +80,24 @@ class SettingsScreen(ModalScreen[dict | None]):
 
     @on(Button.Pressed, "#save")
     def _save(self) -> None:
-        chosen = {}
+        chosen, typed = {}, {}
         for name, label, kind in FIELDS:
             raw = self.query_one(f"#set-{name}", Input).value.strip()
             if not raw:
                 continue  # cleared: the model's default
             try:
                 chosen[name] = kind(raw)
+                typed[name] = raw
             except ValueError:
                 self._error(f"{label}: {raw!r} is not {KIND_NAMES[kind]}")
+                return
+        # each field's own range first (the API's rule, e.g. a temperature in [0.001, 1000]),
+        # then the rules between fields: 5000 is out of range, not "above the final temperature"
+        for name, value in chosen.items():
+            try:
+                check_field(name, value)
+            except ParameterError as e:
+                self._error(f"{LABELS[name]}: {typed[name]} must be {e.rule}")
                 return
         try:
             params = SamplerParams.from_config(self.values_without_fields(), **chosen)
@@ -76,11 +105,19 @@ class SettingsScreen(ModalScreen[dict | None]):
             self._error(self._explain(e, chosen))
             return
         merged = {name: getattr(params, name) for name in LABELS}
-        self.dismiss({k: v for k, v in merged.items() if k in chosen and v != self.defaults.get(k)})
+        system = self.query_one("#set-system", Input).value.strip() or None
+        if system is not None:
+            try:
+                check_text(system, "system prompt")
+            except ParameterError as e:
+                self._error(str(e))
+                return
+        self.dismiss(Settings({k: v for k, v in merged.items() if k in chosen and v != self.defaults.get(k)},
+                              self.query_one("#set-think", Checkbox).value, system))
 
     def _explain(self, e: ParameterError, chosen: dict) -> str:
-        """The API's error, restated with the labels the dialog shows."""
-        if e.name == "t_max":
+        """The API's error between fields, restated with the labels the dialog shows."""
+        if e.name == "t_max":  # each range is checked before: this is the schedule's t_min < t_max
             t_max = chosen.get("t_max", self.defaults.get("t_max"))
             t_min = chosen.get("t_min", self.defaults.get("t_min"))
             if t_min != self.values.get("t_min"):  # name the field the user just edited first
@@ -97,9 +134,11 @@ class SettingsScreen(ModalScreen[dict | None]):
         return {k: v for k, v in self.defaults.items() if k not in names}
 
 
-def describe(overrides: dict) -> str:
-    """A one-line summary of the overrides for the notification."""
+def describe(settings: Settings) -> str:
+    """A one-line summary of the settings for the notification."""
+    overrides = settings.sampler
+    chat = f" Thought channel {'on' if settings.think else 'off'}."
     if not overrides:
-        return "Sampler settings: the model's defaults."
+        return "Sampler settings: the model's defaults." + chat
     return "Sampler settings: " + ", ".join(f"{LABELS.get(k, k)} {v}" for k, v in overrides.items()) + \
-        "; the rest are the model's defaults."
+        "; the rest are the model's defaults." + chat

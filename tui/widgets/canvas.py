@@ -11,8 +11,23 @@ from textual.widget import Widget
 
 from mlx_dgemma.text import printable
 
-CELL = 7  # characters per token piece, plus one space
+CELL = 7  # the narrowest cell: characters per token piece, plus one space
+MAX_CELL = 16  # the widest: a long word whole, with room to spare cells stay this wide
 MAX_ENTROPY = 6.0  # nats; brighter background = more uncertain
+
+NOW, BEFORE, DRAFT = Style(color="bright_green", bold=True), Style(color="cyan"), Style(color="grey58", italic=True)
+ENTROPY_KEY = "on rgb(140,70,45)"
+# The legend, longest wording first: the first that fits the panel's width is shown whole
+# (a legend cut at the edge used to lose "draft" and the entropy key).
+LEGENDS: list[list[tuple[str, Style | str]]] = [
+    [("accepted now", NOW), ("  ", ""), ("accepted before", BEFORE), ("  ", ""), ("draft", DRAFT), ("  ", ""),
+     ("background: entropy", ENTROPY_KEY)],
+    [("accepted now", NOW), ("  ", ""), ("accepted before", BEFORE), ("  ", ""), ("draft", DRAFT), ("  ", ""),
+     ("bg: entropy", ENTROPY_KEY)],
+    [("accepted: ", ""), ("now", NOW), ("  ", ""), ("before", BEFORE), ("  ", ""), ("draft", DRAFT), ("  ", ""),
+     ("bg: entropy", ENTROPY_KEY)],
+    [("now", NOW), (" ", ""), ("before", BEFORE), (" ", ""), ("draft", DRAFT), (" ", ""), ("bg:H", ENTROPY_KEY)],
+]
 
 
 def entropy_bg(h: float) -> str:
@@ -20,6 +35,48 @@ def entropy_bg(h: float) -> str:
     x = min(1.0, math.log1p(max(0.0, h)) / math.log1p(MAX_ENTROPY))
     r, g, b = int(30 + 170 * x), int(30 + 60 * x), int(40 + 10 * (1 - x))
     return f"rgb({r},{g},{b})"
+
+
+def legend(width: int) -> Text:
+    """The colour key in the longest wording that fits ``width`` columns."""
+    for parts in LEGENDS:
+        if sum(len(t) for t, _ in parts) <= width:
+            break
+    return Text.assemble(*parts, no_wrap=True)
+
+
+def cell_width(width: int, height: int, positions: int) -> int:
+    """Characters per cell (piece plus one space): as wide as lets every position fit in
+    ``height`` rows, between CELL and MAX_CELL, so pieces are cut only where space is short."""
+    rows = max(1, height)
+    cols = max(1, -(-positions // rows))
+    return max(CELL, min(MAX_CELL, width // cols))
+
+
+class CanvasTitle(Widget):
+    """Two lines above the canvas: which block and step it shows, and the colour key."""
+
+    DEFAULT_CSS = "CanvasTitle { height: 2; }"
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.heading = "canvas"
+        self.keyed = False  # the key shows once there is a canvas to explain
+
+    def show(self, heading: str) -> None:
+        self.heading, self.keyed = heading, True
+        self.refresh()
+
+    def clear(self) -> None:
+        self.heading, self.keyed = "canvas", False
+        self.refresh()
+
+    def render(self) -> Text:
+        out = Text(self.heading, no_wrap=True, overflow="ellipsis")
+        if self.keyed:
+            out.append("\n")
+            out.append_text(legend(self.size.width or 60))
+        return out
 
 
 class CanvasView(Widget):
@@ -43,19 +100,21 @@ class CanvasView(Widget):
         ev = self.event
         if ev is None:
             return Text("The canvas appears here while an answer is denoised.", style="dim italic")
-        cols = max(1, (self.size.width or 80) // CELL)
+        width = self.size.width or 80
+        cell = cell_width(width, self.size.height or 1, ev.canvas.size)
+        cols = max(1, width // cell)
         out = Text()
         for i in range(ev.canvas.size):
             acc = bool(ev.accepted[i])
             tok = int(ev.canvas[i] if acc else ev.draft[i])
             piece = printable(self.piece(tok).replace("\n", "⏎").replace("\t", "⇥"))
-            piece = (piece[: CELL - 2] + "…") if len(piece) > CELL - 1 else piece
+            piece = (piece[: cell - 2] + "…") if len(piece) > cell - 1 else piece
             if acc and self.earlier is not None and self.earlier[i]:
-                fg = Style(color="cyan")
+                fg = BEFORE
             elif acc:
-                fg = Style(color="bright_green", bold=True)
+                fg = NOW
             else:
-                fg = Style(color="grey58", italic=True)
-            out.append(piece.ljust(CELL - 1), fg + Style(bgcolor=entropy_bg(float(ev.entropy[i]))))
+                fg = DRAFT
+            out.append(piece.ljust(cell - 1), fg + Style(bgcolor=entropy_bg(float(ev.entropy[i]))))
             out.append("\n" if (i + 1) % cols == 0 else " ")
         return out

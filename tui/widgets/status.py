@@ -43,15 +43,40 @@ def step_parts(ev: StepEvent, blocks: int, spf: float, tpf: float | None, prefil
     return parts
 
 
-def summary_parts(done: DoneEvent) -> Parts:
-    """A finished answer: why it stopped, its steps and speed, peak memory, the keys to go on."""
-    parts = [(f"{done.finish_reason}: {len(done.steps_per_block)} block(s)", 0), (f"{done.steps} steps", 1),
-             (f"{done.seconds_per_step:.2f} s/step", 1), (f"{done.tokens_per_forward:.2f} tok/fwd", 4),
-             (f"prefill {done.prefill_tokens_per_second:.0f} tok/s", 4),
-             (f"peak {done.peak_memory_bytes / 1e9:.2f} GB", 2)]
+FINISHED = {"eos": "finished: end of turn", "length": "stopped: max new tokens reached"}
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def finish_words(done: DoneEvent, at: tuple[int, int] | None = None) -> str:
+    """Why the answer ended, in words. ``at``: the block and step (both from 1) a cancelled
+    answer had reached, when it reached any."""
+    if done.finish_reason == "cancelled":
+        return f"cancelled at block {at[0]}, step {at[1]}" if at else "cancelled during the prefill"
+    return FINISHED.get(done.finish_reason, done.finish_reason)
+
+
+def summary_parts(done: DoneEvent, at: tuple[int, int] | None = None) -> Parts:
+    """A finished answer: why it stopped, its steps and speed, peak memory, the keys to go on.
+    Figures an answer did not produce are left out (a cancelled first block has no tokens per
+    forward; a cancelled prefill has no steps), never shown as 0."""
+    parts = [(finish_words(done, at), 0)]
+    if done.finish_reason != "cancelled":
+        parts.append((plural(len(done.steps_per_block), "block"), 4))
+    if done.steps:
+        parts += [(plural(done.steps, "step"), 1), (f"{done.seconds_per_step:.2f} s/step", 1)]
+    if done.tokens_per_forward > 0:
+        parts.append((f"{done.tokens_per_forward:.2f} tok/fwd", 4))
+    if done.prefill_tokens_per_second > 0:
+        parts.append((f"prefill {done.prefill_tokens_per_second:.0f} tok/s", 4))
+    parts.append((f"peak {done.peak_memory_bytes / 1e9:.2f} GB", 2))
     if done.precision:
         parts.append((done.precision, 1))
-    return parts + [("ctrl+b/f replay", 3), ("ctrl+t export", 3)]
+    if done.steps:
+        parts += [("ctrl+b/f replay", 3), ("ctrl+t export", 3)]
+    return parts
 
 
 class StatusLine(Static):
@@ -73,8 +98,8 @@ class StatusLine(Static):
                   memory: int, note: str = "", precision: str = "") -> None:
         self.show_parts(step_parts(ev, blocks, spf, tpf, prefill_tps, memory, note, precision))
 
-    def show_summary(self, done: DoneEvent) -> None:
-        self.show_parts(summary_parts(done))
+    def show_summary(self, done: DoneEvent, at: tuple[int, int] | None = None) -> None:
+        self.show_parts(summary_parts(done, at))
 
     @property
     def text(self) -> str:
