@@ -186,7 +186,7 @@ def test_stream_steps_extension(server):
     assert len(blocks) == 1 and 1 <= len(steps) == blocks[0]["steps"] <= 3
     assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
     for s in steps:
-        assert s["block"] == 0 and s["max_steps"] == 3
+        assert s["block"] == 1 and s["max_steps"] == 3  # blocks count from 1, as steps do
         assert len(s["tokens"]) == len(s["accepted"]) == 64  # the demo's canvas
         assert set(s["accepted"]) <= {0, 1} and isinstance(s["draft"], str)
         assert s["mean_entropy"] >= 0 and s["temperature"] > 0

@@ -135,7 +135,7 @@ class ChatScreen(Screen):
         ev, self._pending = self._pending, None
         if ev is None or self.cursor is not None:
             return
-        self._draw(ev.block, len(self.trace.blocks[ev.block]) - 1)
+        self._draw(ev.block - 1, len(self.trace.blocks[ev.block - 1]) - 1)  # trace index from 0, block from 1
 
     def _draw(self, block: int, index: int) -> None:
         steps = self.trace.blocks[block]
