@@ -8,7 +8,6 @@ traceback); heavy imports happen inside the subcommands so ``--help`` is instant
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -306,6 +305,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                "peak_memory_gb": round(done.peak_memory_bytes / 1e9, 3), "precision": done.precision}
     if args.json:
         tokens = answer_tokens(done.tokens, params.eos_token_id)
+        import json
+
         print(json.dumps({"text": done.text, "thinking": done.thinking, "tokens": tokens, **summary}))
     else:
         print()
