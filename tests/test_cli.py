@@ -285,3 +285,24 @@ def test_ctrl_c_early_is_one_line(delay, tmp_path):
     assert "Traceback" not in rest and code == 130, rest[-3000:]
     assert err[-1].endswith(": interrupted; nothing partial was kept"), err
     assert len([ln for ln in err if not ln.startswith(("[demo]", "loading"))]) == 1, err
+
+
+def test_progress_eta_only_when_meaningful(monkeypatch):
+    """convert's bar said "~6187.4s left" a second in: now no estimate until 2 % and 2 s are
+    done, then m:ss (h:mm:ss past an hour)."""
+    import mlx_dgemma.progress as progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    out = io.StringIO()
+    bar = progress.ProgressBar("converting", stream=out)
+    now[0] += 1.0
+    bar.update(0.16e9, 100e9)  # 0.16 % after 1 s
+    now[0] += 59.0
+    bar.update(10e9, 100e9)  # 10 % after 60 s: 9 minutes left
+    now[0] += 3540.0
+    bar.update(20e9, 100e9)  # 20 % after 1 h: 4 h left
+    first, second, third = out.getvalue().splitlines()
+    assert "left" not in first and "0:01 elapsed, estimating" in first
+    assert "1:00 elapsed, ~9:00 left" in second
+    assert "1:00:00 elapsed, ~4:00:00 left" in third
