@@ -147,7 +147,7 @@ class ChatScreen(Screen):
             earlier = np.any([s.accepted for s in steps[:index]], axis=0)
         live = "" if self.cursor is None else "  (replay)"
         self.query_one("#canvas-title", Static).update(Text.assemble(
-            f"canvas: block {block + 1}, step {ev.step}/{ev.max_steps}{live}   ",
+            f"canvas: block {ev.block}, step {ev.step}/{ev.max_steps}{live}   ",
             ("accepted now", "bold bright_green"), " ", ("accepted before", "cyan"), " ",
             ("draft", "grey58 italic"), " ", ("bg: entropy", "on rgb(140,70,45)")))
         self.query_one(CanvasView).show(ev, earlier)
