@@ -11,9 +11,12 @@ import argparse
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from .errors import DGemmaError, Terminated, terminate_as_interrupt
+
+if TYPE_CHECKING:
+    from .events import StepEvent
 
 # --------------------------------------------------------------------------- convert, verify
 
@@ -210,11 +213,11 @@ class StepLine:
     """One progress line on a terminal's stderr, redrawn in place at each denoising step
     (block i/n, step k/N, accepted, entropy) and erased before answer text is written."""
 
-    def __init__(self, blocks: int, stream=None):
+    def __init__(self, blocks: int, stream: TextIO | None = None):
         self.stream = stream or sys.stderr
         self.blocks, self.shown = blocks, False
 
-    def show(self, ev) -> None:
+    def show(self, ev: StepEvent) -> None:
         self.stream.write(f"\r\x1b[2K[block {ev.block}/{self.blocks} step {ev.step}/{ev.max_steps}] "
                           f"accepted {int(ev.accepted.sum())}/{ev.accepted.size}, H={ev.mean_entropy:.3f}")
         self.stream.flush()
