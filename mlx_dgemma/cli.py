@@ -18,6 +18,31 @@ from .errors import DGemmaError, Terminated, terminate_as_interrupt
 if TYPE_CHECKING:
     from .events import StepEvent
 
+
+@contextmanager
+def interrupt_after_imports() -> Iterator[None]:
+    """Hold Ctrl+C until the block (module imports) is done, then raise KeyboardInterrupt.
+
+    An interrupt inside a third-party import does not always arrive as KeyboardInterrupt:
+    pydantic-core's Rust init turned it into ``PanicException`` (a traceback), and an optional
+    import wrapped in ``except ImportError`` swallows it (the server then started anyway).
+    Imports take well under a second, so holding the signal that long costs nothing."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # not ours to change (a test runner, an embedding app, SIGINT ignored)
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
+
 # --------------------------------------------------------------------------- convert, verify
 
 
@@ -242,9 +267,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.trace:
         check_trace_path(args.trace, "--trace")
     model_path = resolve_model(args.model, args.demo)  # --model, else $MLX_DGEMMA_MODEL; checked
-    from .events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
-    from .generation import stream_generate
-    from .text import printable
+    with interrupt_after_imports():
+        from .events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
+        from .generation import stream_generate
+        from .text import printable
     model, tokenizer = load_for_cli(model_path, args.demo, args.dtype, args.precision)
     gen_cfg = getattr(model, "generation_config", None)
     check_sampler_flags(overrides, gen_cfg)  # against the model's own defaults
@@ -326,7 +352,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     # --model, else $MLX_DGEMMA_MODEL, checked before Textual and MLX load; neither: the app offers the demo
     model = resolve_model(args.model, args.demo, required=False)
-    from mlx_dgemma.tui.app import run_app
+    with interrupt_after_imports():
+        from mlx_dgemma.tui.app import run_app
 
     from .precision import resolve_precision
 
@@ -369,11 +396,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # --model, else $MLX_DGEMMA_MODEL (checked here: a mistyped path fails before the server's imports)
     args.model = resolve_model(args.model, args.demo)
-    if args.demo:
+    with interrupt_after_imports():
         from .demo import DEMO_NOTICES
-
+        from .server import main as serve_main
+    if args.demo:
         print(f"[demo] {DEMO_NOTICES['trained']}", file=sys.stderr, flush=True)
-    from .server import main as serve_main
 
     return serve_main(args)
 
@@ -488,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args: argparse.Namespace | None = None
     try:
-        parser = build_parser(argv)
+        with interrupt_after_imports():  # building the parser imports the options of bench or serve
+            parser = build_parser(argv)
         if not [a for a in argv if a != "--debug"]:  # bare `mlx-dgemma`: the help, "first time?" included
             parser.print_help(sys.stderr)
             return 2  # a usage error, as any missing argument is

@@ -262,10 +262,12 @@ def test_instant_start_imports_nothing_heavy(argv, env, code):
     assert heavy == [], heavy
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.05, 0.1, 0.2, 0.3])
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6])
 def test_ctrl_c_early_is_one_line(delay, tmp_path):
     """SIGINT ``delay`` seconds after our code starts (the CLI module is imported): while the
-    parser is built and the server's options are imported, or while the model loads."""
+    parser is built and the server's options are imported, or while the model loads. Exit 130,
+    not death by SIGINT (``python -m``'s CPython quirk, see ``__main__``), not a PanicException
+    from pydantic-core's import, not a server that starts anyway."""
     proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "mlx_dgemma", "serve", "--demo", "--port", "0"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env={**os.environ, "MLX_DGEMMA_CACHE": str(tmp_path)})
