@@ -13,7 +13,7 @@ import numpy as np
 
 from .errors import ModelFilesError
 from .model import DiffusionGemma, ModelArgs
-from .paths import check_model_choice, check_model_path, resolve_model  # noqa: F401 (check_model_choice: re-exported)
+from .paths import check_model_choice, check_model_path, resolve_model, user_path  # noqa: F401 (re-exported)
 from .precision import Precision, apply_precision, resolve_precision
 from .quantized import quantize_modules
 from .schema import QuantSpec
