@@ -16,7 +16,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import stat
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import numpy as np
 from gguf import GGUFReader
 
 from mlx_dgemma.errors import NonFiniteError
-from mlx_dgemma.paths import user_path
+from mlx_dgemma.paths import check_gguf_input, user_path
 from mlx_dgemma.schema import ModelArgs, QuantSpec
 from mlx_dgemma.validate import check_gguf_metadata, scan_gguf
 
@@ -166,20 +165,7 @@ class _ReadTensor:
 
 def check_input_file(src: Path) -> None:
     """The input must be a readable regular file (not a directory, FIFO, device or link loop)."""
-    try:
-        st = src.stat()
-    except FileNotFoundError:
-        raise ConvertError(f"{src}: no such file; give the path of a DiffusionGemma .gguf file") from None
-    except OSError as e:  # symlink loops, permissions, names too long
-        raise ConvertError(f"{src}: cannot open the input ({e.strerror or e}); give the path of a "
-                           "DiffusionGemma .gguf file") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise ConvertError(f"{src}: is a directory, not a .gguf file; give the model file itself")
-    if not stat.S_ISREG(st.st_mode):
-        raise ConvertError(f"{src}: is not a regular file (a FIFO, socket or device); give a .gguf file "
-                           "saved on disk")
-    if not os.access(src, os.R_OK):
-        raise ConvertError(f"{src}: not readable (permission denied); fix its permissions")
+    check_gguf_input(src, ConvertError)
 
 
 def open_gguf(path: Path, architecture: str | None = ARCH) -> GGUFReader:

@@ -8,13 +8,40 @@ traceback); heavy imports happen inside the subcommands so ``--help`` is instant
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from .errors import DGemmaError, Terminated, terminate_as_interrupt
+
+if TYPE_CHECKING:
+    from .events import StepEvent
+
+
+@contextmanager
+def interrupt_after_imports() -> Iterator[None]:
+    """Hold Ctrl+C until the block (module imports) is done, then raise KeyboardInterrupt.
+
+    An interrupt inside a third-party import does not always arrive as KeyboardInterrupt:
+    pydantic-core's Rust init turned it into ``PanicException`` (a traceback), and an optional
+    import wrapped in ``except ImportError`` swallows it (the server then started anyway).
+    Imports take well under a second, so holding the signal that long costs nothing."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # not ours to change (a test runner, an embedding app, SIGINT ignored)
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 # --------------------------------------------------------------------------- convert, verify
 
@@ -22,13 +49,16 @@ from .errors import DGemmaError, Terminated, terminate_as_interrupt
 def _cmd_convert(args: argparse.Namespace) -> int:
     import math
 
-    from mlx_dgemma.convert.converter import convert
-
     from .errors import ParameterError
-    from .progress import ProgressBar
+    from .paths import check_gguf_input
 
     if not (math.isfinite(args.max_shard_gb) and 0.001 <= args.max_shard_gb <= 1e6):
         raise ParameterError(f"--max-shard-gb {args.max_shard_gb}: must be a number of GB in [0.001, 1e6]")
+    check_gguf_input(args.gguf)  # a mistyped path fails before the converter's imports
+    from mlx_dgemma.convert.converter import convert
+
+    from .progress import ProgressBar
+
     bar = ProgressBar("converting")
     report = convert(args.gguf, args.out_dir, compact=args.compact, force=args.force,
                      max_shard_bytes=int(args.max_shard_gb * 1e9),
@@ -70,15 +100,16 @@ DEMO_HELP = ("the built-in demo model: a tiny model trained on the King James Bi
 
 def add_sampler_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampler (defaults from the model's generation_config.json)")
-    g.add_argument("--max-tokens", type=int, dest="max_new_tokens", help="new tokens (rounded up to whole canvases)")
-    g.add_argument("--steps", type=int, dest="max_denoising_steps", help="max denoising steps per block")
-    g.add_argument("--t-min", type=float, help="final temperature of the linear schedule")
-    g.add_argument("--t-max", type=float, help="first-step temperature")
-    g.add_argument("--entropy-bound", type=float, help="EntropyBound acceptance budget")
-    g.add_argument("--stability-threshold", type=int, help="identical argmax canvases needed to stop")
-    g.add_argument("--confidence-threshold", type=float, help="mean entropy needed to stop")
-    g.add_argument("--sc-top-k", type=int, help="approximate self-conditioning with the top K tokens")
-    g.add_argument("--seed", type=int, help="make the run reproducible")
+    g.add_argument("--max-tokens", type=int, dest="max_new_tokens", metavar="N",
+                   help="new tokens (rounded up to whole canvases)")
+    g.add_argument("--steps", type=int, dest="max_denoising_steps", metavar="N", help="max denoising steps per block")
+    g.add_argument("--t-min", type=float, metavar="T", help="final temperature of the linear schedule")
+    g.add_argument("--t-max", type=float, metavar="T", help="first-step temperature")
+    g.add_argument("--entropy-bound", type=float, metavar="X", help="EntropyBound acceptance budget")
+    g.add_argument("--stability-threshold", type=int, metavar="N", help="identical argmax canvases needed to stop")
+    g.add_argument("--confidence-threshold", type=float, metavar="X", help="mean entropy needed to stop")
+    g.add_argument("--sc-top-k", type=int, metavar="K", help="approximate self-conditioning with the top K tokens")
+    g.add_argument("--seed", type=int, metavar="N", help="make the run reproducible")
 
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
@@ -98,8 +129,9 @@ FLAGS = {"max_new_tokens": "--max-tokens", "max_denoising_steps": "--steps", "t_
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The sampler flags given, checked one by one (range, finiteness) before any loading."""
-    from .sampler import check_field
+    """The sampler flags given, checked one by one (range, finiteness) before any loading (and
+    before MLX is imported: the rules live in ``validate``, standard library only)."""
+    from .validate import check_generation_field as check_field
 
     out = {k: getattr(args, k) for k in FLAGS if getattr(args, k, None) is not None}
     for k, v in out.items():
@@ -151,19 +183,95 @@ def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precis
     return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name))
 
 
+PROMPT_LIMIT = 64 << 20  # bytes read from --prompt-file or stdin: far beyond any model's context
+
+
+def read_prompt(args: argparse.Namespace) -> tuple[str, str]:
+    """(the prompt text, the flag it came from): ``--prompt TEXT``, ``--prompt -`` (stdin) or
+    ``--prompt-file PATH`` (``-``: stdin), read as UTF-8."""
+    from .errors import ParameterError
+    from .paths import input_problem, user_path
+
+    flag = "--prompt" if args.prompt is not None else "--prompt-file"
+    source = args.prompt if args.prompt is not None else args.prompt_file
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt, flag
+    if source == "-":
+        if sys.stdin is None:
+            raise ParameterError(f"{flag} -: no standard input to read; pipe the prompt in or give it as text")
+        if sys.stdin.isatty():
+            print("reading the prompt from standard input (end it with Ctrl+D)", file=sys.stderr)
+        raw = sys.stdin.buffer.read(PROMPT_LIMIT + 1)
+        where = "standard input"
+    else:
+        path = user_path(source)
+        problem = input_problem(path, want_dir=False)
+        if problem is not None:
+            raise ParameterError(f"{flag} {source}: {problem}; give a text file with the prompt")
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(PROMPT_LIMIT + 1)
+        except OSError as e:
+            raise ParameterError(f"{flag} {source}: cannot read it ({e.strerror or e})") from None
+        where = str(path)
+    if len(raw) > PROMPT_LIMIT:
+        raise ParameterError(f"{flag} {source}: {where} holds more than {PROMPT_LIMIT >> 20} MB; give a shorter prompt")
+    try:
+        return raw.decode("utf-8"), flag
+    except UnicodeDecodeError as e:
+        raise ParameterError(f"{flag} {source}: {where} is not valid UTF-8 (byte {raw[e.start:e.start + 1]!r} at "
+                             f"offset {e.start}); give the text in UTF-8") from None
+
+
+def answer_tokens(tokens: tuple[int, ...], eos_ids: tuple[int, ...]) -> list[int]:
+    """The answer's token ids: everything generated before the end-of-turn marker (the first
+    EOS id); the marker and the pad ids after it are left out."""
+    out: list[int] = []
+    for t in tokens:
+        if t in eos_ids:
+            break
+        out.append(t)
+    return out
+
+
+class StepLine:
+    """One progress line on a terminal's stderr, redrawn in place at each denoising step
+    (block i/n, step k/N, accepted, entropy) and erased before answer text is written."""
+
+    def __init__(self, blocks: int, stream: TextIO | None = None):
+        self.stream = stream or sys.stderr
+        self.blocks, self.shown = blocks, False
+
+    def show(self, ev: StepEvent) -> None:
+        self.stream.write(f"\r\x1b[2K[block {ev.block}/{self.blocks} step {ev.step}/{ev.max_steps}] "
+                          f"accepted {int(ev.accepted.sum())}/{ev.accepted.size}, H={ev.mean_entropy:.3f}")
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+            self.shown = False
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
-    from .generation import stream_generate
-    from .text import printable
+    from .paths import resolve_model
     from .tokenizer import check_text
     from .trace import check_trace_path
 
+    # every argument first, with the standard library only: a mistake answers at once
     overrides = sampler_overrides(args)
-    check_sampler_flags({k: v for k, v in overrides.items() if k not in ("t_min", "t_max")})  # before loading
-    check_text(args.prompt, "--prompt")
+    prompt, prompt_flag = read_prompt(args)
+    check_text(prompt, prompt_flag)
     if args.trace:
         check_trace_path(args.trace, "--trace")
-    model, tokenizer = load_for_cli(args.model, args.demo, args.dtype, args.precision)
+    model_path = resolve_model(args.model, args.demo)  # --model, else $MLX_DGEMMA_MODEL; checked
+    with interrupt_after_imports():
+        from .events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
+        from .generation import stream_generate
+        from .text import printable
+    model, tokenizer = load_for_cli(model_path, args.demo, args.dtype, args.precision)
     gen_cfg = getattr(model, "generation_config", None)
     check_sampler_flags(overrides, gen_cfg)  # against the model's own defaults
     if getattr(model, "is_demo", False) and not args.json:
@@ -187,19 +295,32 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     with flag_errors(overrides):  # the flags against the model's config and vocabulary, before any work
         from .sampler import SamplerParams
 
-        SamplerParams.from_config(gen_cfg, **overrides).check_model(model.args.vocab_size)
-    for ev in stream_generate(model, tokenizer, args.prompt, generation_config=gen_cfg,
+        params = SamplerParams.from_config(gen_cfg, **overrides)
+        params.check_model(model.args.vocab_size)
+    # a step line on a terminal only, and never in the way of the answer: where the answer
+    # goes to the same terminal, only until its first words are written
+    progress = None
+    if not args.json and not args.show_drafts and sys.stderr.isatty():
+        import math
+
+        progress = StepLine(math.ceil(params.max_new_tokens / model.args.canvas_length))
+    shared_tty = sys.stdout.isatty()
+    for ev in stream_generate(model, tokenizer, prompt, generation_config=gen_cfg,
                               enable_thinking=args.think, chat=not args.raw, **overrides):
         if isinstance(ev, PrefillEvent) and not args.json:
             print(f"[prefill] {ev.tokens} tokens in {ev.seconds:.2f} s", file=sys.stderr)
         if isinstance(ev, StepEvent) and trace is not None:
             trace.add(ev)
+        if isinstance(ev, StepEvent) and progress is not None and not (shared_tty and printed):
+            progress.show(ev)
         if isinstance(ev, StepEvent) and args.show_drafts and not args.json:
             draft = printable(tokenizer.decode(ev.draft.tolist()).replace("\n", " "))
-            print(f"[block {ev.block + 1} step {ev.step:>2}] T={ev.temperature:.3f} "
+            print(f"[block {ev.block} step {ev.step:>2}] T={ev.temperature:.3f} "
                   f"accepted {int(ev.accepted.sum()):>3}/{ev.accepted.size} H={ev.mean_entropy:.3f} | {draft[:100]}",
                   file=sys.stderr)
         elif isinstance(ev, BlockEvent) and not args.json:
+            if progress is not None:
+                progress.clear()
             # a model can emit any byte: control characters are shown escaped, never sent raw
             sys.stdout.write(printable(ev.text[printed:] if ev.text.startswith(ev.text[:printed])
                                        else "\n" + ev.text))
@@ -207,6 +328,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             printed = len(ev.text)
         elif isinstance(ev, DoneEvent):
             done = ev
+    if progress is not None:
+        progress.clear()
     assert done is not None
     if trace is not None:
         trace.export_jsonl(args.trace, tokenizer.decode)
@@ -217,7 +340,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                "tokens_per_forward": round(done.tokens_per_forward, 3),
                "peak_memory_gb": round(done.peak_memory_bytes / 1e9, 3), "precision": done.precision}
     if args.json:
-        print(json.dumps({"text": done.text, "thinking": done.thinking, "tokens": list(done.tokens), **summary}))
+        tokens = answer_tokens(done.tokens, params.eos_token_id)
+        import json
+
+        print(json.dumps({"text": done.text, "thinking": done.thinking, "tokens": tokens, **summary}))
     else:
         print()
         print(f"[done] {done.finish_reason}; {done.steps} steps {list(done.steps_per_block)}, "
@@ -229,10 +355,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from .loader import check_model_choice
+    from .paths import resolve_model
 
-    check_model_choice(args.model, args.demo)
-    from mlx_dgemma.tui.app import run_app
+    # --model, else $MLX_DGEMMA_MODEL, checked before Textual and MLX load; neither: the app offers the demo
+    model = resolve_model(args.model, args.demo, required=False)
+    with interrupt_after_imports():
+        from mlx_dgemma.tui.app import run_app
 
     from .precision import resolve_precision
 
@@ -241,7 +369,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         from .tokenizer import check_text
 
         check_text(args.system, "--system")
-    return run_app(model=args.model, demo=args.demo, dtype=args.dtype, precision=args.precision,
+    return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=args.precision,
                    think=args.think, system=args.system)
 
 
@@ -261,6 +389,14 @@ environment:
 """
 
 
+GENERATE_EPILOG = """\
+environment: MLX_DGEMMA_MODEL is the model when neither --model nor --demo is given (~ is expanded)"""
+
+SERVE_EPILOG = """\
+environment:
+  MLX_DGEMMA_MODEL  the model to serve when neither --model nor --demo is given (~ is expanded)"""
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
@@ -268,7 +404,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .server.cli import main as serve_main
+    from .paths import resolve_model
+
+    # --model, else $MLX_DGEMMA_MODEL (checked here: a mistyped path fails before the server's imports)
+    args.model = resolve_model(args.model, args.demo)
+    with interrupt_after_imports():
+        from .demo import DEMO_NOTICES
+        from .server.cli import main as serve_main
+    if args.demo:
+        print(f"[demo] {DEMO_NOTICES['trained']}", file=sys.stderr, flush=True)
 
     return serve_main(args)
 
@@ -279,14 +423,19 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return doctor_main(args)
 
 
-def add_model_commands(sub: argparse._SubParsersAction) -> None:
-    """Add the model-running subcommands (generate, chat, bench, serve) to the parser."""
+def add_model_commands(sub: argparse._SubParsersAction, command: str | None = None) -> None:
+    """Add the model-running subcommands (generate, chat, bench, serve, doctor) to the parser.
+    The options of ``bench``, ``serve`` and ``doctor`` come from their modules, which import
+    numpy, MLX or pydantic: with ``command`` (the subcommand being run) only that one's are
+    added, so ``--help``, ``--version`` and the other commands start without those imports."""
     g = sub.add_parser("generate", help="generate an answer, streamed to stdout",
                        description="Generate an answer, streamed to stdout (progress and timings on stderr). "
                                    "Try it first with: mlx-dgemma generate --demo --prompt 'Hi' --seed 0")
-    g.add_argument("--model", help="converted directory or .gguf file")
+    g.add_argument("--model", metavar="PATH", help="converted directory or .gguf file (default: $MLX_DGEMMA_MODEL)")
     g.add_argument("--demo", action="store_true", help=DEMO_HELP)
-    g.add_argument("--prompt", required=True, help="the user message")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="the user message ('-': read it from standard input)")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the user message from a UTF-8 file ('-': stdin)")
     g.add_argument("--raw", action="store_true", help="no chat template: the prompt is the raw text")
     g.add_argument("--think", action="store_true", help="enable the thought channel")
     g.add_argument("--show-drafts", action="store_true", help="print each step's draft to stderr")
@@ -294,46 +443,60 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--trace", metavar="FILE", help="write every denoising step as JSON lines to FILE")
     add_precision_args(g)
     add_sampler_args(g)
+    g.epilog = GENERATE_EPILOG
     g.set_defaults(func=_cmd_generate)
 
     c = sub.add_parser("chat", help="interactive terminal chat that shows the canvas denoising",
                        description="Interactive terminal chat that shows the canvas denoising, step by step.",
                        epilog=CHAT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("--model", help="converted directory or .gguf file (default: $MLX_DGEMMA_MODEL)")
+    c.add_argument("--model", metavar="PATH", help="converted directory or .gguf file (default: $MLX_DGEMMA_MODEL)")
     c.add_argument("--demo", action="store_true", help=DEMO_HELP)
     c.add_argument("--think", action="store_true", help="enable the thought channel (shown collapsed; Ctrl+O changes it)")
     c.add_argument("--system", metavar="TEXT", help="system prompt of the conversation (Ctrl+O changes it)")
     add_precision_args(c)
     c.set_defaults(func=_cmd_chat)
 
-    b = sub.add_parser("bench", help="per-step speed and memory against mlx-vlm and transformers")
-    from .bench import add_args
+    b = sub.add_parser("bench", help="per-step speed and memory against mlx-vlm and transformers",
+                       description="Benchmark on random weights: seconds per denoising step, prefill tokens/s "
+                                   "and peak memory for the chosen configs, against mlx-vlm's DiffusionGemma and "
+                                   "the transformers reference on the same weights in the same run. Prints a "
+                                   "table and JSON.")
+    if command in (None, "bench"):
+        from .bench import add_args
 
-    add_args(b)
+        add_args(b)
     b.set_defaults(func=_cmd_bench)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streamed blocks and steps)")
-    s.add_argument("--model", help="converted directory or .gguf file")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streamed blocks and steps)",
+                       description="Serve a model over the OpenAI API until Ctrl+C: GET /v1/models, POST\n"
+                                   "/v1/chat/completions and /v1/completions (streamed or not), GET /health.\n"
+                                   "Try it with: mlx-dgemma serve --demo", epilog=SERVE_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--model", metavar="PATH", help="converted directory or .gguf file (default: $MLX_DGEMMA_MODEL)")
     s.add_argument("--demo", action="store_true", help=DEMO_HELP)
     add_precision_args(s)
-    from .server.cli import add_args as add_serve_args
+    if command in (None, "serve"):
+        from .server.cli import add_args as add_serve_args
 
-    add_serve_args(s)
+        add_serve_args(s)
     s.set_defaults(func=_cmd_serve)
 
     d = sub.add_parser("doctor", help="check this machine: device, memory, and GPU results against MLX's CPU",
                        description="Report the device, MLX version and backend, the memory the GPU may use, "
                                    "and run the model's operations on the default device and on MLX's CPU "
                                    "stream on a fixed input: exit 0 when they agree, 1 when a check fails.")
-    from .doctor import add_args as add_doctor_args
+    if command in (None, "doctor"):
+        from .doctor import add_args as add_doctor_args
 
-    add_doctor_args(d)
+        add_doctor_args(d)
     d.set_defaults(func=_cmd_doctor)
 
 
 # --------------------------------------------------------------------------- the parser, main
 
-DESCRIPTION = "Run DiffusionGemma from its GGUF files with MLX: convert, verify, generate, chat, bench."
+DESCRIPTION = """\
+Run DiffusionGemma from its GGUF files with MLX: convert, verify, generate, chat,
+serve (an OpenAI-compatible server), bench."""
 EPILOG = """\
 first time? the built-in demo (a tiny model trained on the KJV Bible) shows text denoising:
   mlx-dgemma chat --demo
@@ -345,7 +508,9 @@ mlx-dgemma COMMAND --help shows each command's options."""
 DEBUG_HELP = "show tracebacks on errors"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser; given the command line ``argv``, only the options of the command it
+    runs are imported (see :func:`add_model_commands`)."""
     from . import __version__
 
     p = argparse.ArgumentParser(prog="mlx-dgemma", description=DESCRIPTION, epilog=EPILOG,
@@ -369,31 +534,49 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("gguf", help="the .gguf file it was converted from")
     v.set_defaults(func=_cmd_verify)
 
-    add_model_commands(sub)
+    # the top-level options take no values: the first other word is the command
+    command = next((a for a in argv if not a.startswith("-")), "") if argv is not None else None
+    add_model_commands(sub, command)
     for command in sub.choices.values():  # --debug also after the subcommand (SUPPRESS: no clobbering)
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status. Errors a user can act on, and Ctrl+C at any moment
+    (while the parser is built too), end in one line on stderr unless ``--debug``."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args: argparse.Namespace | None = None
     try:
+        with interrupt_after_imports():  # building the parser imports the options of bench or serve
+            parser = build_parser(argv)
+        if not [a for a in argv if a != "--debug"]:  # bare `mlx-dgemma`: the help, "first time?" included
+            parser.print_help(sys.stderr)
+            return 2  # a usage error, as any missing argument is
+        args = parser.parse_args(argv)
         with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C
             return int(args.func(args) or 0)
     except DGemmaError as e:
-        if args.debug:
+        if _debug(args, argv):
             raise
         # one line whatever a file put in the message (names with newlines, control bytes)
         text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(e))
-        print(f"mlx-dgemma {args.command}: error: {text}", file=sys.stderr)
+        print(f"{_who(args)}: error: {text}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:
-        if args.debug:
+        if _debug(args, argv):
             raise
-        print(f"mlx-dgemma {args.command}: interrupted; nothing partial was kept", file=sys.stderr)
+        print(f"{_who(args)}: interrupted; nothing partial was kept", file=sys.stderr)
         return 128 + e.signum if isinstance(e, Terminated) else 130
+
+
+def _who(args: argparse.Namespace | None) -> str:
+    command = getattr(args, "command", None)
+    return f"mlx-dgemma {command}" if command else "mlx-dgemma"
+
+
+def _debug(args: argparse.Namespace | None, argv: list[str]) -> bool:
+    return bool(getattr(args, "debug", False)) if args is not None else "--debug" in argv
 
 
 if __name__ == "__main__":  # pragma: no cover

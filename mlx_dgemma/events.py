@@ -2,13 +2,17 @@
 
 numpy only, no MLX: the trace, the TUI screens and test fakes read them without loading the
 runtime. ``mlx_dgemma.generation`` produces them (and re-exports them for older imports).
+Blocks and steps are numbered from 1, as users see them (the CLI, the chat app, the trace
+and the server's ``diffusion`` events all show these numbers unchanged).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # annotations only: importing the events costs no numpy (the CLI's instant start)
+    import numpy as np
 
 __all__ = ["StepEvent", "BlockEvent", "DoneEvent", "PrefillEvent", "PrefillProgressEvent", "Event"]
 
@@ -17,7 +21,7 @@ __all__ = ["StepEvent", "BlockEvent", "DoneEvent", "PrefillEvent", "PrefillProgr
 class StepEvent:
     """One denoising step of one block (arrays are read-only, one row per canvas position)."""
 
-    block: int  # 0-based block index
+    block: int  # the block's number, from 1
     step: int  # 1-based step within the block
     max_steps: int
     canvas: np.ndarray  # the next canvas: accepted draws, renoised elsewhere [C] int32
@@ -34,7 +38,7 @@ class StepEvent:
 class BlockEvent:
     """A committed block (the argmax canvas at the stopping step, padded after EOS)."""
 
-    block: int
+    block: int  # the block's number, from 1 (the same as its StepEvents')
     tokens: tuple[int, ...]
     steps: int
     finished: bool  # an EOS id was committed

@@ -42,9 +42,10 @@ class BlockResult:
 
 
 def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, key: mx.array,
-                  dtype: mx.Dtype | None = None, block: int = 0, initial_canvas: mx.array | None = None,
+                  dtype: mx.Dtype | None = None, block: int = 1, initial_canvas: mx.array | None = None,
                   step_fn: StepFunction | None = None) -> Iterator[StepEvent | BlockResult]:
     """Denoise one canvas against ``cache``: yields a StepEvent per step, then a BlockResult.
+    ``block`` is the block's number, counted from 1 (as every event and message counts it).
 
     Each step is one compiled graph and one device sync; only the canvas, draft, accepted
     mask and entropies ([C] each) reach the host, never the [C, V] logits.
@@ -66,7 +67,7 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
         mx.eval(out["canvas"], out["argmax"], out["accepted"], out["entropy"], out["processed"], out["stop"],
                 out["history"], out["finite"])
         if not out["finite"].item():
-            raise NonFiniteError(f"block {block + 1}, step {i}: the model's logits are NaN or Inf; the weights "
+            raise NonFiniteError(f"block {block}, step {i}: the model's logits are NaN or Inf; the weights "
                                  "or the dtype overflow (try --dtype float32, or convert the model again)")
         canvas, argmax, sc_logits, history = out["canvas"], out["argmax"], out["processed"], out["history"]
         entropy = np.array(out["entropy"][0])
@@ -258,7 +259,7 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
     for b in range(n_blocks):
         key, sub = mx.random.split(key)
         result: BlockResult | None = None
-        for ev in denoise_block(model, cache, p, sub, dtype=dtype, block=b, step_fn=step_fn):
+        for ev in denoise_block(model, cache, p, sub, dtype=dtype, block=b + 1, step_fn=step_fn):
             if isinstance(ev, BlockResult):
                 result = ev
                 break
@@ -276,7 +277,7 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
         out += block
         raw = tokenizer.decode(out)
         parsed = parse_answer(raw)
-        yield BlockEvent(b, tuple(block), result.steps, finished, parsed.answer, parsed.thinking, raw)
+        yield BlockEvent(b + 1, tuple(block), result.steps, finished, parsed.answer, parsed.thinking, raw)
         last = finished or b + 1 == n_blocks
         if not last:  # commit the block through the encoder: the next block's canvas reads it
             model.prefill(mx.array([block], dtype=mx.int32), cache, dtype=dtype)

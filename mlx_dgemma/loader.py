@@ -13,7 +13,7 @@ import numpy as np
 
 from .errors import ModelFilesError
 from .model import DiffusionGemma, ModelArgs
-from .paths import user_path
+from .paths import check_model_choice, check_model_path, resolve_model, user_path  # noqa: F401 (re-exported)
 from .precision import Precision, apply_precision, resolve_precision
 from .quantized import quantize_modules
 from .schema import QuantSpec
@@ -99,7 +99,9 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
     ``model.generation_config``; the resolved precision as ``model.precision``.
     """
     prec = resolve_precision(precision, dtype)
-    p = user_path(path)  # "~/models/dgemma" works as README writes it
+    # "~/models/dgemma" works as README writes it; a missing path, a FIFO, a device or a link
+    # loop is named for what it is, before any work
+    p = check_model_path(path, "model")
     if p.is_dir():
         model, _ = load_dir(p, precision=prec)
         tokenizer = Tokenizer.from_dir(p)
@@ -109,9 +111,8 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
         model, _, side = load_gguf(p, precision=prec, compact=compact, progress=progress)
         tokenizer = Tokenizer(side["tokenizer"], side.get("chat_template"))
         gen = side["generation_config"]
-    else:
-        raise ModelFilesError(f"{p}: no such file or directory; give a .gguf file or a directory written "
-                              "by `mlx-dgemma convert`")
+    else:  # pragma: no cover - check_model_path lets only directories and regular files through
+        raise ModelFilesError(f"{p}: not a file or directory")
     object.__setattr__(model, "generation_config", gen)  # a plain attribute, not a parameter
     return model, tokenizer
 
@@ -135,33 +136,22 @@ def model_args(path: str | Path) -> ModelArgs:
 # --dtype, with the same checks and errors everywhere. Imports are lazy (nothing above is used).
 
 
-def check_model_choice(model: str | None, demo: bool) -> None:
-    """``--demo`` and ``--model`` name two different models: refuse rather than silently pick one."""
-    from mlx_dgemma.errors import ParameterError
-
-    if demo and model:
-        raise ParameterError(f"--demo and --model {model}: give one of them (--demo runs the built-in "
-                             "demo model; --model runs yours)")
-
-
 def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: str | None = None,
                progress: Callable[[int, int, str], None] | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) for a front end: the built-in demo model if ``demo``, else ``model``
-    (a converted directory or a .gguf, ``~`` expanded), in runtime ``precision`` (``dtype``:
-    fast's activation dtype). ``progress(i, n, tensor)`` follows a .gguf's in-memory conversion.
+    (a converted directory or a .gguf, ``~`` expanded; default ``$MLX_DGEMMA_MODEL``), in
+    runtime ``precision`` (``dtype``: fast's activation dtype). ``progress(i, n, tensor)``
+    follows a .gguf's in-memory conversion.
 
-    A contradictory precision, both or neither model are errors before any loading.
+    A contradictory precision, both or neither model, a path that is missing or not a file or
+    directory are errors before any loading.
     """
-    from mlx_dgemma.errors import ParameterError
     from mlx_dgemma.precision import resolve_precision
 
     prec = resolve_precision(precision, dtype)
-    check_model_choice(model, demo)
+    path = resolve_model(model, demo)
     if demo:
         from mlx_dgemma.demo import load_demo
 
         return load_demo(precision=prec)
-    if not model:
-        raise ParameterError("--model: not given; pass a converted directory or a .gguf file "
-                             "(or --demo for the built-in demo model)")
-    return load(model, precision=prec, progress=progress)
+    return load(path, precision=prec, progress=progress)

@@ -8,6 +8,27 @@ import time
 from typing import TextIO
 
 
+# An estimate from the first instants extrapolates start-up costs (opening, the first tensor's
+# page faults) over the whole job: "~6187.4s left" a second in. None until this much is done.
+ETA_MIN_FRACTION = 0.02
+ETA_MIN_SECONDS = 2.0
+
+
+def clock(seconds: float) -> str:
+    """``m:ss`` below an hour, ``h:mm:ss`` above."""
+    s = max(0, round(seconds))
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def eta(done_fraction: float, elapsed: float) -> str | None:
+    """The time left as ``m:ss`` / ``h:mm:ss``, or None while too little is done to tell."""
+    if done_fraction < ETA_MIN_FRACTION or elapsed < ETA_MIN_SECONDS or done_fraction >= 1:
+        return None
+    return clock(elapsed / done_fraction - elapsed)
+
+
 class ProgressBar:
     def __init__(self, label: str, unit: str = "GB", scale: float = 1e9, stream: TextIO | None = None):
         self.label, self.unit, self.scale = label, unit, scale
@@ -21,10 +42,11 @@ class ProgressBar:
         frac = done / total if total else 1.0
         now = time.perf_counter()
         elapsed = now - self.t0
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
+        left = eta(frac, elapsed)
         fmt = ".0f" if self.scale == 1 else ".2f"
+        timing = clock(elapsed) + " elapsed" + (f", ~{left} left" if left else "" if frac >= 1 else ", estimating")
         text = (f"{self.label} {frac:6.1%} {done / self.scale:{fmt}}/{total / self.scale:{fmt}} {self.unit}"
-                f"  {elapsed:5.1f}s elapsed, ~{eta:5.1f}s left  {note}")
+                f"  {timing}  {note}")
         if self.tty:
             if now - self._last_draw < 0.1 and done < total:
                 return

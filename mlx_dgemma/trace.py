@@ -54,28 +54,28 @@ class Trace:
     header: dict[str, Any] | None = None  # written first by export_jsonl (see trace_header)
 
     def add(self, ev: StepEvent) -> None:
-        while len(self.blocks) <= ev.block:
+        """Record a step; ``blocks[i]`` holds block number ``i + 1`` (events count from 1)."""
+        while len(self.blocks) < ev.block:
             self.blocks.append([])
-        self.blocks[ev.block].append(ev)
+        self.blocks[ev.block - 1].append(ev)
 
     def clear(self) -> None:
         self.blocks.clear()
 
     @property
     def steps(self) -> list[tuple[int, int]]:
-        """(block, index) of every recorded step, in order."""
+        """(block index, step index) of every recorded step, in order, both from 0 (list positions)."""
         return [(b, i) for b, steps in enumerate(self.blocks) for i in range(len(steps))]
 
     def get(self, block: int, index: int) -> StepEvent:
         return self.blocks[block][index]
 
     def records(self, decode: Callable[[list[int]], str] | None = None) -> list[dict]:
-        """One record per step. ``block`` and ``step`` count from 1, as the UI and the CLI show
-        them (StepEvent.block is the 0-based index)."""
+        """One record per step. ``block`` and ``step`` count from 1, as the events do."""
         out = []
         for steps in self.blocks:
             for ev in steps:
-                rec = {"block": ev.block + 1, "step": ev.step, "max_steps": ev.max_steps,
+                rec = {"block": ev.block, "step": ev.step, "max_steps": ev.max_steps,
                        "temperature": ev.temperature, "mean_entropy": ev.mean_entropy,
                        "accepted_count": int(ev.accepted.sum()), "seconds": ev.seconds, "stopped": ev.stopped,
                        "canvas": ev.canvas.tolist(), "draft": ev.draft.tolist(),

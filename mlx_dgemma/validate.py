@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ModelFilesError, ParameterError
+from .paths import input_problem
 
 ARCH = "diffusion-gemma"
 
@@ -658,7 +659,11 @@ def check_model_dir(path: str | Path) -> dict:
     """Validate a converted directory before loading anything; returns its config."""
     path = Path(path)
     for name in ("config.json", "tokenizer_gguf.json"):
-        if not (path / name).is_file():
+        problem = input_problem(path / name, want_dir=False)
+        if problem is not None and (path / name).exists():  # a directory, FIFO, device, unreadable file
+            raise ModelFilesError(f"{path / name}: {problem}; give a directory written by `mlx-dgemma convert` "
+                                  "(or a .gguf file)")
+        if problem is not None:
             raise ModelFilesError(f"{path}: {name} is missing; give a directory written by "
                                   "`mlx-dgemma convert` (or a .gguf file)")
     config = read_json(path / "config.json")

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as T
 
 from mlx_dgemma.cli import main
 from mlx_dgemma.convert import converter, source, writer
-from mlx_dgemma.convert.errors import ConvertError
+from mlx_dgemma.errors import DGemmaError
 from mlx_dgemma.convert.synthetic import TinySpec, write_tiny_gguf
 
 
@@ -163,5 +163,5 @@ def test_interrupted_conversion_leaves_nothing(work, tiny_gguf, monkeypatch):
 
 
 def test_debug_shows_traceback(work, tiny_gguf):
-    with pytest.raises(ConvertError):
+    with pytest.raises(DGemmaError):  # the early path check (before the converter's imports) or convert's own
         main(["--debug", "convert", str(work / "in" / "missing.gguf"), str(work / "out" / "m")])

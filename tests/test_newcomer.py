@@ -74,9 +74,9 @@ def test_chat_with_a_missing_model_from_the_environment_is_one_line(home, monkey
                                   ["convert", "--debug", "/nope.gguf", "/tmp/x"],
                                   ["convert", "/nope.gguf", "/tmp/x", "--debug"]])
 def test_debug_before_or_after_the_subcommand(argv):
-    from mlx_dgemma.convert.errors import ConvertError
+    from mlx_dgemma.errors import DGemmaError
 
-    with pytest.raises(ConvertError):  # --debug: the traceback, not the one-line error
+    with pytest.raises(DGemmaError):  # --debug: the traceback, not the one-line error
         main(argv)
 
 

@@ -112,7 +112,7 @@ async def test_replay_moves_through_steps():
         assert s.cursor == (1, 2) and view.event.step == 3
         for _ in range(3):
             await pilot.press("ctrl+b")
-        assert s.cursor == (0, 3) and view.event.block == 0  # crossed into the previous block
+        assert s.cursor == (0, 3) and view.event.block == 1  # crossed into the previous block (blocks count from 1)
         await pilot.press("ctrl+f")
         assert s.cursor == (1, 0) and view.event.step == 1
         assert "replay" in str(s.query_one("#canvas-title").render())

@@ -70,7 +70,7 @@ class ScriptedBackend:
                     a.setflags(write=False)
                 done_steps += 1
                 self.produced += 1
-                yield StepEvent(b, s, 48, canvas, draft, accepted, entropy, float(entropy.mean()),
+                yield StepEvent(b + 1, s, 48, canvas, draft, accepted, entropy, float(entropy.mean()),
                                 0.4 + 0.4 * (48 - s + 1) / 48, 0.25, s == N)
                 if cancel():
                     yield DoneEvent(self.decode(out), "", tuple(out), "cancelled", 20, 0.5, 40.0, done_steps,
@@ -78,7 +78,7 @@ class ScriptedBackend:
                     return
             out += target.tolist()
             text = self.decode(out)
-            yield BlockEvent(b, tuple(target.tolist()), N, b == self.blocks - 1, text, "Thinking about light.", text)
+            yield BlockEvent(b + 1, tuple(target.tolist()), N, b == self.blocks - 1, text, "Thinking about light.", text)
         yield DoneEvent(self.decode(out), "Thinking about light.", tuple(out), "eos", 20, 0.5, 40.0,
                         done_steps, (N,) * self.blocks, 0.25, len(out) / done_steps, 3.0, 200_000_000,
                         self.precision_label)

@@ -448,7 +448,7 @@ class Engine:
                 if job.stream_steps:
                     job.emit("step", {"type": "block", "block": ev.block, "steps": ev.steps, "finished": ev.finished})
                 job.emit("text", answer.streamable())  # a snapshot: the worker goes on mutating answer
-                last = ev.finished or ev.block + 1 >= n_blocks
+                last = ev.finished or ev.block >= n_blocks  # blocks count from 1
                 if answer.stop_hit and not last:
                     clean = False  # a stop string: no need for more blocks
                     result = finish()

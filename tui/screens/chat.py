@@ -148,7 +148,7 @@ class ChatScreen(Screen):
         ev, self._pending = self._pending, None
         if ev is None or self.cursor is not None or self.app.stopping:
             return
-        self._draw(ev.block, len(self.trace.blocks[ev.block]) - 1)
+        self._draw(ev.block - 1, len(self.trace.blocks[ev.block - 1]) - 1)  # trace index from 0, block from 1
 
     def _draw(self, block: int, index: int) -> None:
         steps = self.trace.blocks[block]
@@ -160,7 +160,7 @@ class ChatScreen(Screen):
             earlier = np.any([s.accepted for s in steps[:index]], axis=0)
         live = "" if self.cursor is None else "  (replay)"
         self.query_one(CanvasTitle).show(
-            f"canvas: block {block + 1}, step {ev.step}/{ev.max_steps}{live}")
+            f"canvas: block {ev.block}, step {ev.step}/{ev.max_steps}{live}")
         self.query_one(CanvasView).show(ev, earlier)
         self.query_one(EntropyChart).set_block(steps, ev.canvas.size, index)
         spf = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0
