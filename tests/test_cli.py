@@ -77,7 +77,8 @@ def test_blocks_count_from_1(spy, capsys, clean_env, tmp_path):
     assert steps[0].block == 1 and steps[0].step == 1 and blocks[0].block == 1
     assert {s.block for s in steps} == {b.block for b in blocks} == set(range(1, len(blocks) + 1))
     assert "[block 1 step  1]" in capsys.readouterr().err  # --show-drafts shows the event's number
-    records = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    header, *records = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert header["record"] == "header"
     assert [(r["block"], r["step"]) for r in records] == [(s.block, s.step) for s in steps]
 
 
