@@ -30,7 +30,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.max_shard_gb) and 0.001 <= args.max_shard_gb <= 1e6):
         raise ParameterError(f"--max-shard-gb {args.max_shard_gb}: must be a number of GB in [0.001, 1e6]")
     bar = ProgressBar("converting")
-    report = convert(args.gguf, args.out_dir, compact=args.compact, force=args.force,
+    report = convert(args.gguf, args.out_dir, precision=args.precision, force=args.force,
                      max_shard_bytes=int(args.max_shard_gb * 1e9),
                      progress=lambda done, total, i, n, name: bar.update(done, total, f"{i}/{n} {name}"))
     print("\n".join(report.summary_lines()))
@@ -48,10 +48,12 @@ def _run_verify(out_dir: str, gguf: str) -> int:
     report = verify(out_dir, gguf, progress=lambda i, n, name: bar.update(i, n, name))
     for line in report.mismatches:
         print(f"MISMATCH {line}")
-    if report.compact:  # lossy by design: held to the error bounds its conversion recorded
-        verdict = (f"a --compact directory: {report.exact} exact, {len(report.max_abs_error)} within the recorded "
-                   "compact error bounds" if report.ok else f"{len(report.mismatches)} tensor(s) outside the "
-                   "recorded compact error bounds")
+    if report.lossy:  # lossy by design: each tensor held to the bound its precision allows
+        for line in report.bound_lines():
+            print(line)
+        verdict = (f"a {report.precision} directory: {report.exact} exact, {len(report.max_abs_error)} within "
+                   f"{report.precision}'s error bounds (recomputed from the GGUF)" if report.ok
+                   else f"{len(report.mismatches)} tensor(s) outside {report.precision}'s error bounds")
     else:
         verdict = "all exact" if report.ok else f"{len(report.mismatches)} tensor(s) differ"
     print(f"verified {report.checked} tensors of {out_dir} against {gguf}: {verdict}")
@@ -83,12 +85,14 @@ def add_sampler_args(p: argparse.ArgumentParser) -> None:
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
     """``--precision`` and ``--dtype``: the runtime precision (see mlx_dgemma.precision)."""
-    p.add_argument("--precision", choices=("auto", "exact", "fast"), default="auto",
-                   help="runtime precision: exact = float32 and bit-exact weights; fast = bfloat16 on a GPU "
-                        "(float32 on the CPU), scales in that dtype, 16-element sub-blocks re-quantized to "
-                        "8 bits; auto (default) = fast. Files on disk are exact either way")
+    from .tiers import PRECISIONS, TIER_HELP
+
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="runtime precision: " + "; ".join(f"{k} = {v}" for k, v in TIER_HELP.items())
+                        + "; auto (default) = fast, or the most exact tier that fits memory "
+                        "(mlx-dgemma plan MODEL lists them)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="activation dtype of fast precision (default: bfloat16 on a GPU, float32 on the CPU)")
+                   help="activation dtype of the lossy precisions (default: bfloat16 on a GPU, float32 on the CPU)")
 
 
 # generation parameter -> the flag that sets it (errors name what the user typed)
@@ -325,8 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="repack a DiffusionGemma GGUF into an MLX model directory")
     c.add_argument("gguf", help="the .gguf file")
     c.add_argument("out_dir", help="output directory, created with its parents (must not exist unless --force)")
-    c.add_argument("--compact", action="store_true",
-                   help="smaller but lossy: float16 scales, 8-bit groups for Q6_K (default: exact)")
+    from .tiers import TIER_HELP, TIERS
+
+    c.add_argument("--precision", choices=TIERS, default="exact",
+                   help="the weights' form on disk (default exact, bit for bit); a lossy one is smaller and is "
+                        "what a small Mac loads without ever holding the exact form: "
+                        + "; ".join(f"{k} = {v}" for k, v in TIER_HELP.items() if k != "exact"))
+    c.add_argument("--compact", action="store_const", dest="precision", const="fast",
+                   help="the same as --precision fast (its older name)")
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     c.add_argument("--verify", action="store_true", help="verify every tensor after converting")
     c.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GB)")
