@@ -108,7 +108,7 @@ def convert_tensor(t, precision: str = "exact", num_layers: int = 0) -> Converte
     fmt = FORMATS[qtype]
     rows, width = _rows(t)
     raw2 = raw.reshape(rows, -1)
-    goal = target(precision, module_path(path), qtype.name, num_layers)
+    goal = target(precision, module_path(path), qtype.name, num_layers, width)
     err = _Error()
     step = max(1, _CHUNK_BYTES // max(1, raw2.shape[1]))
     if goal is not None:

@@ -146,7 +146,8 @@ def _requantize_module(m: nn.Module, goal: Target) -> None:
 def _goal(precision: str, path: str, m: nn.Module, specs: dict[str, QuantSpec], num_layers: int) -> Target | None:
     spec = specs.get(path)
     if spec is not None and spec.ggml_type:
-        return target(precision, path, spec.ggml_type, num_layers)
+        width = m["weight"].shape[-1] * 32 // m.bits // (2 if m.subblock == 16 else 1)
+        return target(precision, path, spec.ggml_type, num_layers, width)
     # no ggml type recorded: only fast's rule can be applied (padded sub-blocks are its trigger)
     return Target(FAST_BITS, FAST_GROUP) if precision == "fast" and m.subblock != 32 else None
 

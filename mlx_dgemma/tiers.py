@@ -12,12 +12,14 @@ Precisions, most exact first:
 * ``fast``: the exact integers with scales in the activation dtype; padded sub-block types
   (Q2_K, Q3_K, Q6_K) re-quantized to 8-bit groups of 32. On disk (``convert --precision fast``,
   formerly ``--compact``) the scales are float16.
-* ``q4`` (fits a 24 GB Mac: 14.1 GB of weights at full size): experts 4-bit in groups of 128,
-  everything else (attention, dense MLP, self-conditioning, the embedding that is also the output
-  head) 6-bit in groups of 64.
-* ``q3`` (aimed at a 16 GB Mac: 11.0 GB): experts 3-bit in groups of 128, the first and last
-  layers' experts 4-bit; the embedding 6-bit, everything else 4-bit, groups of 64. Under 10 GB
-  would take 2-bit experts.
+* ``q4`` (fits a 24 GB Mac: 14.2 GB of weights at full size): experts 4-bit, the embedding
+  (also the output head and the self-conditioning matrix) 6-bit, everything else (attention,
+  dense MLP, self-conditioning MLP) 5-bit.
+* ``q3`` (aimed at a 16 GB Mac: 11.3 GB): experts 3-bit, except the first and last layers'
+  4-bit; the embedding 6-bit, everything else 4-bit. Under 10 GB would take 2-bit experts.
+
+Groups: 128 for the experts, 64 elsewhere; a group that does not divide a row falls back to the
+next smaller (the published down projections, 704 and 2112 wide, use 64).
 
 Why these: on real llama.cpp blocks (``benchmarks/tier_recipes.py``) affine 4-bit groups of 128
 (4.25 bits per weight) give 15 % less error than ``mxfp4`` at the same 4.25 bits, and the bytes
@@ -48,8 +50,8 @@ LOSSY_ON_DISK = ("fast", "q4", "q3")  # what ``convert --precision`` can write b
 TIER_HELP = {
     "exact": "bit-exact weights, float32 (verify's and the parity tests' form)",
     "fast": "exact integers, half-precision scales, Q6_K head re-quantized to 8 bits",
-    "q4": "lossy: experts 4-bit, the rest 6-bit (14.1 GB at full size): fits a 24 GB Mac",
-    "q3": "lossier: experts 3-bit, the rest 4-6 bits (11.0 GB at full size): aimed at a 16 GB Mac",
+    "q4": "lossy: experts 4-bit, the rest 5-6 bits (14.2 GB at full size): fits a 24 GB Mac",
+    "q3": "lossier: experts 3-bit, the rest 4-6 bits (11.3 GB at full size): aimed at a 16 GB Mac",
 }
 
 # Padded sub-block types (Q2_K, Q3_K, Q6_K) in fast: 8 bits keeps their 6-bit (or fewer) values
@@ -77,10 +79,20 @@ class Target:
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
-def target(precision: str, module: str, ggml_type: str, num_layers: int) -> Target | None:
+def target(precision: str, module: str, ggml_type: str, num_layers: int, width: int) -> Target | None:
     """The re-quantization target of the weight of ``module`` (an MLX module path such as
-    ``layers.3.experts.gate_up_proj``) stored as ``ggml_type``, or None: kept as stored
-    (``exact`` keeps everything; ``fast`` keeps all but the padded sub-block types)."""
+    ``layers.3.experts.gate_up_proj``) stored as ``ggml_type`` with rows of ``width`` elements,
+    or None: kept as stored (``exact`` keeps everything; ``fast`` keeps all but the padded
+    sub-block types). A group that does not divide the row falls back to the next smaller one
+    (the published down projections are 704 and 2112 wide: groups of 64)."""
+    goal = _recipe(precision, module, ggml_type, num_layers)
+    if goal is None:
+        return None
+    group = next((g for g in (128, 64, 32) if g <= goal.group_size and width % g == 0), None)
+    return None if group is None else Target(goal.bits, group)
+
+
+def _recipe(precision: str, module: str, ggml_type: str, num_layers: int) -> Target | None:
     if precision in ("exact", "auto"):
         return None
     if precision == "fast":
@@ -91,9 +103,9 @@ def target(precision: str, module: str, ggml_type: str, num_layers: int) -> Targ
         m = _LAYER.match(module)
         edge = m is not None and int(m.group(1)) in (0, num_layers - 1)
         return Target(4 if precision == "q4" or edge else 3, 128)
-    if precision == "q4" or module == "embed_tokens":  # the output head and self-conditioning matrix
+    if module == "embed_tokens":  # the output head and the self-conditioning matrix
         return Target(6, 64)
-    return Target(4, 64)
+    return Target(5 if precision == "q4" else 4, 64)
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,7 +252,7 @@ def tensor_bytes(info: TensorInfo, precision: str, num_layers: int, scale_bytes:
     n = int(np.prod(info.shape))
     if info.ggml_type in _FLOAT_BYTES:
         return n * (float_bytes or _FLOAT_BYTES[info.ggml_type])
-    t = target(precision, info.module, info.ggml_type, num_layers)
+    t = target(precision, info.module, info.ggml_type, num_layers, info.shape[-1])
     if t is not None:
         return n * t.bits // 8 + 2 * (n // t.group_size) * np.dtype(SCALE_DTYPE).itemsize
     bits = _EXACT_BITS[info.ggml_type]
