@@ -35,7 +35,7 @@ from mlx_dgemma.validate import check_gguf_metadata, scan_gguf
 from .errors import ConvertError
 from .metadata import (ARCH, args_from_metadata, array_len, field_kinds, field_value, generation_config,
                        partial_rotary_factor, read_metadata)
-from .names import mlx_name, stored_names
+from .names import mlx_name, module_path, stored_names
 from .quants import FLOAT_TYPES
 from .tensors import Converted, check_inventory, convert_tensor
 
@@ -102,6 +102,17 @@ class GGUFSource:
     def n_bytes(self) -> int:
         """Bytes of tensor data in the GGUF."""
         return sum(int(t.n_bytes) for t in self.reader.tensors)
+
+    def inventory(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(MLX module path of a quantized weight, or parameter path of a float one; shape in MLX
+        order; ggml type name) of every tensor, from the header alone (the memory plan's input)."""
+        out = []
+        for t in self.reader.tensors:
+            path = mlx_name(t.name)
+            quantized = t.tensor_type not in FLOAT_TYPES
+            out.append((module_path(path) if quantized else path, tuple(int(x) for x in reversed(t.shape)),
+                        t.tensor_type.name))
+        return out
 
     def stored_names(self) -> list[str]:
         """Every MLX array name the converted tensors will have, in order (before converting)."""

@@ -93,6 +93,22 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
                         "(mlx-dgemma plan MODEL lists them)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activation dtype of the lossy precisions (default: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--memory-limit", metavar="SIZE", default=None,
+                   help="memory the model may use, e.g. 14GB (default: what the device offers: Metal's recommended "
+                        "working set, or available RAM); a precision that does not fit is refused before loading")
+
+
+def planned_precision(args: argparse.Namespace) -> str:
+    """--precision after the memory plan (auto -> the most exact form that fits --memory-limit or
+    the device); refuses, in one line, a model that does not fit. Nothing is loaded."""
+    from .plan import parse_size
+
+    limit = parse_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
+    if not getattr(args, "model", None) or getattr(args, "demo", False):
+        return args.precision
+    from .loader import plan_model
+
+    return plan_model(args.model, limit).choose(args.precision)
 
 
 # generation parameter -> the flag that sets it (errors name what the user typed)
@@ -146,13 +162,15 @@ def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | Non
         raise ParameterError(f"{FLAGS[e.name]} {overrides.get(e.name)}: must be {rule}") from None
 
 
-def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precision: str = "auto"):
+def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precision: str = "auto",
+                 memory_limit: int | None = None):
     """(model, tokenizer) from --model or --demo (the core's ``open_model``), loading progress on stderr."""
     from .loader import open_model
     from .progress import ProgressBar
 
     bar = ProgressBar("loading", unit="tensors", scale=1)
-    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name))
+    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name),
+                      memory_limit=memory_limit)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -167,7 +185,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     check_text(args.prompt, "--prompt")
     if args.trace:
         check_trace_path(args.trace, "--trace")
-    model, tokenizer = load_for_cli(args.model, args.demo, args.dtype, args.precision)
+    from .plan import parse_size
+
+    limit = parse_size(args.memory_limit) if args.memory_limit else None
+    model, tokenizer = load_for_cli(args.model, args.demo, args.dtype, args.precision, limit)
     gen_cfg = getattr(model, "generation_config", None)
     check_sampler_flags(overrides, gen_cfg)  # against the model's own defaults
     if getattr(model, "is_demo", False) and not args.json:
@@ -234,7 +255,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from .precision import resolve_precision
 
     resolve_precision(args.precision, args.dtype)  # a contradiction is an error before the app starts
-    return run_app(model=args.model, demo=args.demo, dtype=args.dtype, precision=args.precision)
+    precision = planned_precision(args)  # a model that does not fit is refused before the app starts
+    return run_app(model=args.model, demo=args.demo, dtype=args.dtype, precision=precision)
 
 
 CHAT_EPILOG = """\
@@ -262,7 +284,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .server import main as serve_main
 
+    args.precision = planned_precision(args)  # refused before the server starts if it does not fit
     return serve_main(args)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .loader import plan_model
+    from .plan import parse_size
+
+    if args.context is not None and not (isinstance(args.context, int) and 1 <= args.context <= 1 << 22):
+        from .errors import ParameterError
+
+        raise ParameterError(f"--context {args.context}: must be a number of tokens in [1, 4194304]")
+    plan = plan_model(args.model, parse_size(args.memory_limit) if args.memory_limit else None, args.context)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else "\n".join(plan.table()))
+    return 0
 
 
 def add_model_commands(sub: argparse._SubParsersAction) -> None:
@@ -346,6 +382,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("out_dir", help="the directory written by mlx-dgemma convert")
     v.add_argument("gguf", help="the .gguf file it was converted from")
     v.set_defaults(func=_cmd_verify)
+
+    pl = sub.add_parser("plan", help="memory each precision needs for a model, and whether it fits",
+                        description="For every precision: the bytes the weights, the KV cache and a step's working "
+                                    "memory need, and whether that fits this machine (or --memory-limit). "
+                                    "Reads no weights.")
+    pl.add_argument("model", help="converted directory or .gguf file")
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    pl.add_argument("--memory-limit", metavar="SIZE", help="compare with SIZE (e.g. 14GB) instead of this machine")
+    pl.add_argument("--context", type=int, default=None, help="tokens to reserve KV cache for (default 4096)")
+    pl.set_defaults(func=_cmd_plan)
 
     add_model_commands(sub)
     for command in sub.choices.values():  # --debug also after the subcommand (SUPPRESS: no clobbering)

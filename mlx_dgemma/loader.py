@@ -96,8 +96,47 @@ def load_gguf(path: Path, precision: Precision | str = "exact",
     return model, config, side
 
 
+def model_inventory(path: str | Path) -> tuple[ModelArgs, list, str]:
+    """(shape, tensor inventory, stored form) of a converted directory or a .gguf, from its
+    config or header alone (no weight is read): what the memory plan prices."""
+    from .tiers import TensorInfo, stored_precision
+
+    p = user_path(path)
+    if p.is_dir():
+        config = check_model_dir(p)
+        args = ModelArgs.from_config(config)
+        specs = {k: QuantSpec.from_dict(v) for k, v in config.get("quantization", {}).items() if isinstance(v, dict)}
+        # the unloaded model's parameter shapes: MLX arrays are lazy, nothing is allocated
+        from mlx.utils import tree_flatten
+
+        inventory = []
+        for name, a in tree_flatten(DiffusionGemma(args).parameters()):
+            module = name[:-len(".weight")] if name.endswith(".weight") else name
+            spec = specs.get(module)
+            inventory.append(TensorInfo(module, tuple(a.shape), spec.ggml_type or "Q8_0") if spec is not None
+                             else TensorInfo(name, tuple(a.shape), "F32"))
+        return args, inventory, stored_precision(config)
+    if p.is_file():
+        from mlx_dgemma.convert import GGUFSource
+
+        with GGUFSource(p) as source:
+            return source.args, [TensorInfo(*t) for t in source.inventory()], "gguf"
+    raise ModelFilesError(f"{p}: no such file or directory; give a .gguf file or a directory written by "
+                          "`mlx-dgemma convert`")
+
+
+def plan_model(path: str | Path, memory_limit: int | None = None, context_tokens: int | None = None):
+    """The memory plan (:class:`mlx_dgemma.plan.Plan`) of a model, before loading it."""
+    from .plan import DEFAULT_CONTEXT, make_plan
+
+    args, inventory, stored = model_inventory(path)
+    return make_plan(str(path), args, inventory, stored, context_tokens=context_tokens or DEFAULT_CONTEXT,
+                     memory_limit=memory_limit)
+
+
 def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.Dtype | None = None,
-         progress: Callable[[int, int, str], None] | None = None) -> tuple[DiffusionGemma, Tokenizer]:
+         progress: Callable[[int, int, str], None] | None = None,
+         memory_limit: int | None = None) -> tuple[DiffusionGemma, Tokenizer]:
     """Load a converted directory, or convert a .gguf in memory.
 
     ``precision`` is the runtime precision (``mlx_dgemma.precision``): "exact" (float32,
@@ -107,11 +146,20 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
     precisions' activation dtype (default: bfloat16 on a GPU, float32 on the CPU). Nothing on
     disk changes.
     ``~`` and environment variables in ``path`` are expanded.
+
+    Before any weight is read, a memory plan (:mod:`mlx_dgemma.plan`) prices the precision
+    against the device (or ``memory_limit`` bytes): ``auto`` becomes the most exact form that
+    fits, and a precision that does not fit raises :class:`MemoryBudgetError` (one line).
     The model's generation defaults (generation_config.json or the GGUF's) are attached as
     ``model.generation_config``; the resolved precision as ``model.precision``.
     """
     prec = resolve_precision(precision, dtype)
     p = user_path(path)  # "~/models/dgemma" works as README writes it
+    if p.exists():
+        requested = precision if isinstance(precision, str) else precision.name
+        chosen = plan_model(p, memory_limit).choose(requested or "auto")
+        if chosen != prec.name:
+            prec = resolve_precision(chosen, dtype)
     if p.is_dir():
         model, _ = load_dir(p, precision=prec)
         tokenizer = Tokenizer.from_dir(p)
@@ -143,7 +191,8 @@ def check_model_choice(model: str | None, demo: bool) -> None:
 
 
 def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: str | None = None,
-               progress: Callable[[int, int, str], None] | None = None) -> tuple[Any, Any]:
+               progress: Callable[[int, int, str], None] | None = None,
+               memory_limit: int | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) for a front end: the built-in demo model if ``demo``, else ``model``
     (a converted directory or a .gguf, ``~`` expanded), in runtime ``precision`` (``dtype``:
     fast's activation dtype). ``progress(i, n, tensor)`` follows a .gguf's in-memory conversion.
@@ -162,4 +211,4 @@ def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: st
     if not model:
         raise ParameterError("--model: not given; pass a converted directory or a .gguf file "
                              "(or --demo for the built-in demo model)")
-    return load(model, precision=prec, progress=progress)
+    return load(model, precision=precision, dtype=dtype, progress=progress, memory_limit=memory_limit)
