@@ -18,45 +18,11 @@ import json
 import sys
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-
 from mlx_dgemma import load
 from mlx_dgemma.bench import block_agreement
+from mlx_dgemma.bench.studies import confident_agreement as step_agreement
 from mlx_dgemma.convert.kquant import write_kquant_copy
 from mlx_dgemma.demo import demo_file
-
-TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; "
-        "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters.")
-
-
-def step_agreement(exact, other, tok) -> dict[str, float]:
-    ids = tok.encode(TEXT)
-    C = exact.args.canvas_length
-    prompt = mx.array([ids[: len(ids) // 2]], dtype=mx.int32)
-    rest = ids[len(ids) // 2:][:C]
-    canvas = np.full(C, exact.args.mask_token_id, dtype=np.int32)
-    canvas[: len(rest) // 2] = rest[: len(rest) // 2]  # half the continuation known, the rest masked
-    canvas = mx.array(canvas[None])
-    out = {}
-    ce, co = exact.make_cache(), other.make_cache()
-    exact.prefill(prompt, ce)
-    other.prefill(prompt, co)
-    e1, o1 = exact.denoise(canvas, ce), other.denoise(canvas, co)
-    sc = e1 / 0.6
-    e2, o2 = exact.denoise(canvas, ce, sc), other.denoise(canvas, co, sc)
-    for name, e, o in (("step", e1, o1), ("sc_step", e2, o2)):
-        e, o = np.array(e.astype(mx.float32))[0], np.array(o.astype(mx.float32))[0]
-        p = np.exp(e - e.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        confident = p.max(-1) >= 0.5
-        same = o.argmax(-1) == e.argmax(-1)
-        out[f"{name}_top1"] = float(same.mean())
-        out[f"{name}_top1_confident"] = float(same[confident].mean()) if confident.any() else float("nan")
-        out[f"{name}_confident_positions"] = int(confident.sum())
-        out[f"{name}_max_rel_logit_error"] = float(np.abs(o - e).max() / np.abs(e).max())
-    return out
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
