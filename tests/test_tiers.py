@@ -254,6 +254,21 @@ def test_model_that_does_not_fit_is_refused_before_loading(tiny_gguf, capsys, mo
     assert "needs about" in err[0] and "1 MB is available (--memory-limit)" in err[0]
     assert main(["generate", "--model", str(tiny_gguf), "--prompt", "hi", "--memory-limit", "lots"]) == 2
     assert "--memory-limit" in capsys.readouterr().err
+    for command in ("chat", "serve"):  # refused before the app or the server starts
+        assert main([command, "--model", str(tiny_gguf), "--memory-limit", "1MB"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "(--memory-limit)" in err[0], (command, err)
+
+
+def test_refusal_names_the_precision_that_fits(tiny_gguf, capsys):
+    p = plan_model(tiny_gguf)
+    limit = (p.row("fast").needed_bytes + p.row("q3").needed_bytes) // 2
+    code = main(["generate", "--model", str(tiny_gguf), "--prompt", "hi", "--precision", "fast",
+                 "--memory-limit", str(limit)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    fits = plan_model(tiny_gguf, memory_limit=limit).best_fit()
+    assert fits in ("q4", "q3") and f"--precision {fits} fits" in err[0]
 
 
 # -- the trained demo, K-quant copy: every tier measured on trained weights ---------------------
