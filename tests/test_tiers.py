@@ -327,7 +327,8 @@ def test_every_tier_on_the_trained_kquant_demo(kquant_demo):
     its Q8_0 original. fast changes far less than that (8-bit head, rounded scales): no worse.
     q4's weight errors are of the same order as Q4_K_M's (4-bit experts, 5/6-bit elsewhere):
     within 5 points of the yardstick. q3's 3-bit experts have about twice Q4_K's error: at most
-    twice the yardstick's disagreement, plus 5 points."""
+    twice the yardstick's disagreement, plus 5 points. Over all positions (confident or not),
+    neither tier may flip more than 5 % of the argmaxes (the yardstick flips about 1 %)."""
     from mlx_dgemma.bench.studies import confident_agreement
     from mlx_dgemma.demo import demo_file
 
@@ -335,10 +336,11 @@ def test_every_tier_on_the_trained_kquant_demo(kquant_demo):
     exact, _ = load(kquant_demo, precision="exact")
     yard = confident_agreement(original, exact, tok)
     miss = 1 - yard["step_top1_confident"]
-    assert yard["step_confident_positions"] >= 10
+    assert yard["step_confident_positions"] >= 30
     floor = {"fast": 1 - miss, "q4": 1 - miss - 0.05, "q3": 1 - 2 * miss - 0.05}
     for p, bound in floor.items():
         m = confident_agreement(exact, load(kquant_demo, precision=p)[0], tok)
         for step in ("step", "sc_step"):
             assert m[f"{step}_top1_confident"] >= bound, (p, step, m, yard)
+            assert m[f"{step}_top1"] >= 0.95, (p, step, m)
         assert 0 < m["step_max_rel_logit_error"], p  # it did change something (a K-quant file)
