@@ -119,11 +119,11 @@ def test_input_truncated_during_conversion(src, tmp_path, capsys, monkeypatch):
     real = source.convert_tensor
     calls = {"n": 0}
 
-    def convert_tensor(t, compact=False):
+    def convert_tensor(t, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 5:  # another process cuts the file while we read it
             os.truncate(src, src.stat().st_size // 2)
-        return real(t, compact=compact)
+        return real(t, *args, **kwargs)
 
     monkeypatch.setattr(source, "convert_tensor", convert_tensor)
     code, line = run(capsys, src, tmp_path / "m")
@@ -135,9 +135,9 @@ _SLOW_CONVERT = """
 import sys, time
 from mlx_dgemma.convert import source
 real = source.convert_tensor
-def slow(t, compact=False):
+def slow(t, *args, **kwargs):
     time.sleep(0.05)
-    return real(t, compact=compact)
+    return real(t, *args, **kwargs)
 source.convert_tensor = slow
 from mlx_dgemma.cli import main
 sys.exit(main(sys.argv[1:]))

@@ -202,3 +202,53 @@ def compact_study(gguf: Path, model_dir: Path, prompt_len: int, warmup: int, ste
     return {fmt: {"bytes": size(d), "seconds_per_step": r.get("seconds_per_step"),
                   "peak_rss_bytes": r.get("peak_rss_bytes")}
             for fmt, d, r in (("exact", model_dir, exact), ("compact", compact_dir, compact))}
+
+
+KJV_TEXTS = (
+    "In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+    "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters.",
+    "The LORD is my shepherd; I shall not want. He maketh me to lie down in green pastures: he leadeth me "
+    "beside the still waters. He restoreth my soul: he leadeth me in the paths of righteousness.",
+    "And it came to pass in those days, that there went out a decree from Caesar Augustus, that all the "
+    "world should be taxed. And all went to be taxed, every one into his own city.",
+)
+
+
+def confident_agreement(exact, other, tok, texts: tuple[str, ...] = KJV_TEXTS) -> dict[str, float]:
+    """One decoder step of ``other`` against ``exact`` on real text (for each passage: its first
+    half as the prompt, half the continuation known in the canvas, the rest masked), plain and
+    self-conditioned: top-1 agreement over all canvas positions and over those where exact is
+    confident (p >= 0.5), and the max relative logit error."""
+    C = exact.args.canvas_length
+    same: dict[str, list] = {"step": [], "sc_step": []}
+    conf: dict[str, list] = {"step": [], "sc_step": []}
+    err = {"step": 0.0, "sc_step": 0.0}
+    for text in texts:
+        ids = tok.encode(text)
+        prompt = mx.array([ids[: len(ids) // 2]], dtype=mx.int32)
+        rest = ids[len(ids) // 2:][:C]
+        canvas = np.full(C, exact.args.mask_token_id, dtype=np.int32)
+        canvas[: len(rest) // 2] = rest[: len(rest) // 2]
+        canvas = mx.array(canvas[None])
+        ce, co = exact.make_cache(), other.make_cache()
+        exact.prefill(prompt, ce)
+        other.prefill(prompt, co)
+        e1, o1 = exact.denoise(canvas, ce), other.denoise(canvas, co)
+        sc = e1 / 0.6  # the next step's self-conditioning input, the same for both
+        e2, o2 = exact.denoise(canvas, ce, sc), other.denoise(canvas, co, sc)
+        for name, e, o in (("step", e1, o1), ("sc_step", e2, o2)):
+            e, o = np.array(e.astype(mx.float32))[0], np.array(o.astype(mx.float32))[0]
+            p = np.exp(e - e.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            same[name].append(o.argmax(-1) == e.argmax(-1))
+            conf[name].append(p.max(-1) >= 0.5)
+            err[name] = max(err[name], float(np.abs(o - e).max() / np.abs(e).max()))
+    out: dict[str, float] = {}
+    for name in ("step", "sc_step"):
+        s, c = np.concatenate(same[name]), np.concatenate(conf[name])
+        out[f"{name}_top1"] = float(s.mean())
+        out[f"{name}_top1_confident"] = float(s[c].mean()) if c.any() else float("nan")
+        out[f"{name}_confident_positions"] = int(c.sum())
+        out[f"{name}_positions"] = int(c.size)
+        out[f"{name}_max_rel_logit_error"] = err[name]
+    return out
