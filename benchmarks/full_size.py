@@ -185,13 +185,14 @@ def measure_write(gguf: str, header: str, seed: int) -> dict:
             "gguf_bytes": Path(gguf).stat().st_size, "peak_rss_bytes": _peak()}
 
 
-def measure_convert(gguf: str, out: str) -> dict:
+def measure_convert(gguf: str, out: str, precision: str = "exact") -> dict:
     from mlx_dgemma.convert.converter import convert
 
     log = _log_every("convert")
+    kw = {} if precision == "exact" else {"precision": precision}  # tiers: convert --precision
     t0 = time.perf_counter()
-    rep = convert(gguf, out, progress=lambda done, total, i, n, name: log(i, n, name))
-    return {"impl": "convert (exact)", "seconds": time.perf_counter() - t0, "peak_rss_bytes": _peak(),
+    rep = convert(gguf, out, progress=lambda done, total, i, n, name: log(i, n, name), **kw)
+    return {"impl": f"convert ({precision})", "seconds": time.perf_counter() - t0, "peak_rss_bytes": _peak(),
             "dir_bytes": dir_bytes(Path(out)), "input_bytes": rep.input_bytes, "tensors": rep.tensors}
 
 
@@ -225,7 +226,7 @@ def measure_load(path: str, precision: str, prefill_tokens: int = 0, canvas: int
         cache = model.make_cache()
         t0 = time.perf_counter()
         model.prefill(mx.array(rng.integers(0, V, (1, prefill_tokens)), dtype=mx.int32), cache)
-        mx.eval([c.state for c in cache] if isinstance(cache, list) else [])
+        mx.eval(cache.state())  # prefill evaluates each chunk; this only makes sure
         res.update(prefill_tokens=prefill_tokens, prefill_seconds=time.perf_counter() - t0,
                    prefill_peak_rss_bytes=_peak(), after_prefill_rss_bytes=_rss_now())
         print(f"  prefill {prefill_tokens} tokens: {res['prefill_seconds']:.0f} s", file=sys.stderr, flush=True)
@@ -273,12 +274,24 @@ def total_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
 
 
-def estimate_load_peak(model_dir: Path, precision: str) -> int:
-    """Upper estimate of a load's peak: today's loader holds the exact weights (the directory's
-    safetensors) before it puts them in ``precision``'s form, plus ~1 GB of working memory.
-    A precision whose loader does better is still gated by the watchdog, not by this figure."""
-    shards = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-    return shards + int(1 * GB)
+def on_disk_tiers() -> tuple[str, ...]:
+    """Precisions ``convert --precision`` writes as their own (smaller) directory, besides exact
+    and fast: the memory tiers, where this checkout has them."""
+    try:
+        from mlx_dgemma.tiers import LOSSY_ON_DISK
+    except ImportError:
+        return ()
+    return tuple(p for p in LOSSY_ON_DISK if p != "fast")
+
+
+def estimate_load_peak(model_dir: Path, exact_dir: Path) -> int:
+    """Upper estimate of a load's peak: the weights the loader holds before putting them in
+    their runtime form (``model_dir``'s safetensors: the exact directory for exact and fast,
+    a tier's own directory for a tier, also for a tier loaded from the .gguf, which is
+    re-quantized tensor by tensor), plus ~1.5 GB of working memory. The watchdog still guards
+    a load that does worse than this."""
+    d = model_dir if model_dir.is_dir() else exact_dir
+    return sum(f.stat().st_size for f in d.glob("*.safetensors")) + int(1.5 * GB)
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,7 +329,7 @@ def table(result: dict) -> str:
             continue
         if key == "write":
             lines.append(f"{key:<34} {r['seconds']:>9.1f}   file {_gb(r['gguf_bytes'])}, peak RSS {_gb(r['peak_rss_bytes'])}")
-        elif key == "convert":
+        elif key.startswith("convert"):
             lines.append(f"{key:<34} {r['seconds']:>9.1f}   directory {_gb(r['dir_bytes'])}, peak RSS "
                          f"{_gb(r['peak_rss_bytes'])}")
         elif key == "verify":
@@ -352,11 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     for s in ("write", "convert", "verify", "load-dir", "load-gguf", "step"):
         p.add_argument(f"--skip-{s}", action="store_true")
+    p.add_argument("--results", default="full_size.json",
+                   help="results file in the workdir (two runs at once: give each its own)")
     p.add_argument("--redo", action="store_true", help="measure again what the results file already has")
     a = p.parse_args(argv)
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    gguf, out, res_file = work / GGUF_NAME, work / "converted", work / "full_size.json"
+    gguf, out, res_file = work / GGUF_NAME, work / "converted", work / a.results
+
+    def tier_dir(prec: str) -> Path:
+        return work / f"converted-{prec}"
+
     result = json.loads(res_file.read_text()) if res_file.is_file() else {"rows": {}}
     result["machine"] = {**machine(), "memory_bytes": total_bytes()}
     rows = result["rows"]
@@ -380,12 +399,18 @@ def main(argv: list[str] | None = None) -> int:
             _run("measure_verify", key="verify", out=str(out), gguf=str(gguf), **kw)
             save()
         precisions = [x for x in a.precisions.split(",") if x]
+        tiers = on_disk_tiers()
         for prec in precisions:
-            for kind, path, skip in (("dir", out, a.skip_load_dir), ("gguf", gguf, a.skip_load_gguf)):
+            if prec in tiers and not a.skip_convert and (a.redo or not tier_dir(prec).is_dir()):
+                _run("measure_convert", key=f"convert {prec}", gguf=str(gguf), out=str(tier_dir(prec)),
+                     precision=prec, **stream)
+                save()
+            own = tier_dir(prec) if prec in tiers else out  # a tier loads from its own directory
+            for kind, path, skip in (("dir", own, a.skip_load_dir), ("gguf", gguf, a.skip_load_gguf)):
                 if skip:
                     continue
                 key = f"load {kind} {prec}"
-                need = estimate_load_peak(out, prec)
+                need = estimate_load_peak(tier_dir(prec) if prec in tiers else out, out)
                 avail = available_bytes()
                 if (key not in rows or a.redo or "skipped" in rows[key]) and avail - need < floor:
                     rows[key] = {"impl": key, "skipped": f"needs ~{need / GB:.1f} GB (estimated load peak) of "
