@@ -23,6 +23,7 @@ from mlx_dgemma.errors import terminate_as_interrupt
 from mlx_dgemma.memory import peak_rss_bytes
 from mlx_dgemma.paths import user_path
 from mlx_dgemma.schema import QuantSpec
+from mlx_dgemma.tiers import TIER_HELP, TIERS
 from mlx_dgemma.validate import check_tokenizer_data
 
 from .errors import ConvertError
@@ -53,21 +54,28 @@ class TypeStats:
 
 @dataclass
 class ConvertReport:
-    """What a conversion did: sizes, bits per weight per ggml type, errors (compact), time."""
+    """What a conversion did: sizes, bits per weight per ggml type, errors (lossy precisions), time."""
 
     source: Path
     output: Path
-    compact: bool
+    precision: str = "exact"
     seconds: float = 0.0
     input_bytes: int = 0
     output_bytes: int = 0
     tensors: int = 0
     peak_rss_bytes: int = 0
     by_type: dict[str, TypeStats] = field(default_factory=dict)
+    # lossy precisions: per quantized tensor, max |stored - exact| and relative RMS (0: exact)
     max_abs_error: dict[str, float] = field(default_factory=dict)
+    rel_rms_error: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def lossy(self) -> bool:
+        """Lossy (the former ``--compact`` is ``precision == "fast"``)."""
+        return self.precision != "exact"
 
     def summary_lines(self) -> list[str]:
-        mode = "compact (lossy, float16 scales)" if self.compact else "exact (lossless)"
+        mode = "exact (lossless)" if self.precision == "exact" else f"{self.precision} (lossy: {TIER_HELP[self.precision]})"
         lines = [f"converted {self.tensors} tensors in {self.seconds:.1f} s [{mode}]",
                  f"  input  {self.source}  {self.input_bytes / 1e9:.3f} GB",
                  f"  output {self.output}  {self.output_bytes / 1e9:.3f} GB",
@@ -75,19 +83,31 @@ class ConvertReport:
                  "  type   tensors      weights   GGUF bpw   MLX bpw"]
         for t, s in sorted(self.by_type.items()):
             lines.append(f"  {t:<6} {s.tensors:>7} {s.elements:>12,} {s.gguf_bpw:>9.3f} {s.mlx_bpw:>9.3f}")
-        if self.compact and self.max_abs_error:
-            worst = max(self.max_abs_error.items(), key=lambda kv: kv[1])
-            lines.append(f"  max |compact - exact| = {worst[1]:.3g} (tensor {worst[0]}); "
-                         "per-tensor errors in conversion_report.json")
+        if self.lossy and self.max_abs_error:
+            lines.append("  " + self.error_line())
         return lines
 
+    def error_line(self) -> str:
+        """How far the lossy tensors are from exact: the worst relative RMS and max error, and
+        how many tensors stayed exact (their error is 0 by construction, not a measurement)."""
+        lossy = {k: v for k, v in self.max_abs_error.items() if v > 0}
+        exact = len(self.max_abs_error) - len(lossy)
+        if not lossy:
+            return f"all {exact} quantized tensors exact (nothing re-quantized)"
+        worst_rel = max(lossy, key=lambda k: self.rel_rms_error.get(k, 0.0))
+        worst_abs = max(lossy, key=lossy.get)
+        return (f"{len(lossy)} tensors lossy, {exact} exact; largest relative RMS error "
+                f"{self.rel_rms_error.get(worst_rel, 0.0):.3g} ({worst_rel}), largest max |{self.precision} - exact| "
+                f"{lossy[worst_abs]:.3g} ({worst_abs}); per-tensor errors in {REPORT_FILE}")
+
     def to_dict(self) -> dict:
-        return {"source": str(self.source), "compact": self.compact, "seconds": self.seconds,
+        return {"source": str(self.source), "precision": self.precision, "lossy": self.lossy,
+                "seconds": self.seconds,
                 "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
                 "tensors": self.tensors, "peak_rss_bytes": self.peak_rss_bytes,
                 "by_type": {t: {"tensors": s.tensors, "elements": s.elements, "gguf_bpw": s.gguf_bpw,
                                 "mlx_bpw": s.mlx_bpw} for t, s in sorted(self.by_type.items())},
-                "max_abs_error": self.max_abs_error}
+                "max_abs_error": self.max_abs_error, "rel_rms_error": self.rel_rms_error}
 
 
 def _estimate_output_bytes(reader: GGUFReader) -> int:
@@ -109,14 +129,20 @@ def _write_side_files(tmp: Path, source: GGUFSource, cfg_json: dict) -> None:
         (tmp / "chat_template.jinja").write_text(source.chat_template)
 
 
-def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False, force: bool = False,
-            max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None) -> ConvertReport:
-    """Convert a DiffusionGemma GGUF into an MLX model directory (exact unless ``compact``).
+def convert(gguf_path: str | Path, out_dir: str | Path, *, precision: str = "exact", compact: bool = False,
+            force: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+            progress: Progress | None = None) -> ConvertReport:
+    """Convert a DiffusionGemma GGUF into an MLX model directory in ``precision`` (exact unless
+    told: ``mlx_dgemma.tiers``; ``compact=True`` is the older spelling of ``precision="fast"``),
+    so a small machine never has to hold the exact form.
 
     ``force`` replaces ``out_dir`` only if it is a directory an earlier conversion wrote; an
     output that is, contains or lies inside the input is always refused.
     """
     t0 = time.perf_counter()
+    precision = "fast" if compact and precision == "exact" else precision
+    if precision not in TIERS:
+        raise ConvertError(f"precision {precision!r}: must be one of {', '.join(TIERS)}")
     src, out = user_path(gguf_path), user_path(out_dir)
     if not (isinstance(max_shard_bytes, int) and max_shard_bytes >= 1):
         raise ConvertError(f"max_shard_bytes = {max_shard_bytes!r}: must be a positive integer")
@@ -126,7 +152,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False
     source = GGUFSource(src, ARCH)
     need = _estimate_output_bytes(source.reader)
     tmp = parent / f"{_tmp_prefix(out.name)}.partial-{os.getpid()}"
-    report = ConvertReport(src, out, compact, input_bytes=src.stat().st_size)
+    report = ConvertReport(src, out, precision, input_bytes=src.stat().st_size)
     created = [p for p in (parent, *parent.parents) if not p.exists()]  # like mkdir -p; undone on failure
     try:
         with source, terminate_as_interrupt():
@@ -136,8 +162,8 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, compact: bool = False
             if free < need:
                 raise ConvertError(f"{parent}: not enough disk space ({free / 1e9:.2f} GB free, the output "
                                    f"needs up to {need / 1e9:.2f} GB); free some space or choose another disk")
-            specs = _write_shards(source, tmp, compact, max_shard_bytes, progress, report)
-            _write_side_files(tmp, source, source.config(specs, compact))
+            specs = _write_shards(source, tmp, precision, max_shard_bytes, progress, report)
+            _write_side_files(tmp, source, source.config(specs, precision))
             source.check_unchanged()
             report.seconds = time.perf_counter() - t0
             report.output_bytes = sum(p.stat().st_size for p in tmp.iterdir())
@@ -269,7 +295,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
 
 
-def _write_shards(source: GGUFSource, tmp: Path, compact: bool, max_shard_bytes: int,
+def _write_shards(source: GGUFSource, tmp: Path, precision: str, max_shard_bytes: int,
                   progress: Progress | None, report: ConvertReport) -> dict[str, QuantSpec]:
     reserve = header_reserve(source.stored_names())
     files: list[Path] = []
@@ -277,7 +303,7 @@ def _write_shards(source: GGUFSource, tmp: Path, compact: bool, max_shard_bytes:
     specs: dict[str, QuantSpec] = {}
     shard: ShardWriter | None = None
     try:
-        for c in source.tensors(compact=compact, progress=progress):
+        for c in source.tensors(precision, progress=progress):
             if shard is None or (shard.offset and shard.offset + c.nbytes > max_shard_bytes):
                 if shard is not None:
                     shard.close()
@@ -307,5 +333,6 @@ def _account(report: ConvertReport, c: Converted) -> None:
     s.gguf_bytes += c.gguf_bytes
     s.mlx_bytes += c.nbytes
     report.tensors += 1
-    if report.compact and c.spec is not None:
+    if report.lossy and c.spec is not None:
         report.max_abs_error[c.gguf_name] = c.max_abs_error
+        report.rel_rms_error[c.gguf_name] = c.rel_rms_error

@@ -31,6 +31,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K as _GGUF_Q4_K
 
 from mlx_dgemma.schema import pad_subblocks, unpad_subblocks  # the layout both sides share
+from mlx_dgemma.tiers import pack_bits, unpack_bits  # MLX's bit layout, shared with the re-quantizer
 
 QK_K = 256
 
@@ -264,31 +265,6 @@ FORMATS: dict[T, type[BlockFormat]] = {
 }
 FLOAT_TYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: None}  # BF16 kept as raw uint16
 SUPPORTED_TYPES = sorted([*FORMATS, *FLOAT_TYPES], key=lambda t: t.value)
-
-
-def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
-    """Pack unsigned ``q`` ([..., n] uint8, n*bits % 32 == 0) into MLX's uint32 layout.
-
-    MLX reads each row as an LSB-first bitstream: element j occupies bits
-    [j*bits, (j+1)*bits) of the row's little-endian byte string.
-    """
-    per = {1: 8, 2: 4, 3: 8, 4: 2, 5: 8, 6: 4, 8: 1}[bits]  # elements per whole-byte chunk
-    nbytes = per * bits // 8
-    lead, n = q.shape[:-1], q.shape[-1]
-    chunks = q.reshape(*lead, n // per, per).astype(np.uint64)
-    acc = np.zeros(chunks.shape[:-1], dtype=np.uint64)
-    for i in range(per):
-        acc |= chunks[..., i] << np.uint64(bits * i)
-    raw = acc.view(np.uint8).reshape(*acc.shape, 8)[..., :nbytes]
-    return np.ascontiguousarray(raw).reshape(*lead, n * bits // 8).view(np.uint32)
-
-
-def unpack_bits(w: np.ndarray, bits: int) -> np.ndarray:
-    """Inverse of :func:`pack_bits` (used by verification and tests)."""
-    raw = np.ascontiguousarray(w).view(np.uint8)
-    b = np.unpackbits(raw, axis=-1, bitorder="little")
-    b = b.reshape(*raw.shape[:-1], -1, bits)
-    return (b.astype(np.uint32) << np.arange(bits, dtype=np.uint32)).sum(-1).astype(np.uint8)
 
 
 def narrowest_exact_dtype(*arrays: np.ndarray, chunk: int = 1 << 20) -> type:

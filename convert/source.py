@@ -35,7 +35,7 @@ from mlx_dgemma.validate import check_gguf_metadata, scan_gguf
 from .errors import ConvertError
 from .metadata import (ARCH, args_from_metadata, array_len, field_kinds, field_value, generation_config,
                        partial_rotary_factor, read_metadata)
-from .names import mlx_name, stored_names
+from .names import mlx_name, module_path, stored_names
 from .quants import FLOAT_TYPES
 from .tensors import Converted, check_inventory, convert_tensor
 
@@ -91,9 +91,10 @@ class GGUFSource:
             return None
         return str(field_value(self.reader, "tokenizer.chat_template"))
 
-    def config(self, specs: dict[str, QuantSpec], compact: bool) -> dict[str, Any]:
-        """config.json, given the specs the converted tensors came with (module path -> spec)."""
-        return model_config(self.metadata, self.args, specs, compact, str(self.path))
+    def config(self, specs: dict[str, QuantSpec], precision: str = "exact") -> dict[str, Any]:
+        """config.json, given the specs the converted tensors came with (module path -> spec)
+        and the precision they were converted to."""
+        return model_config(self.metadata, self.args, specs, precision, str(self.path))
 
     # -- the tensors ---------------------------------------------------------------------------
 
@@ -102,13 +103,25 @@ class GGUFSource:
         """Bytes of tensor data in the GGUF."""
         return sum(int(t.n_bytes) for t in self.reader.tensors)
 
+    def inventory(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(MLX module path of a quantized weight, or parameter path of a float one; shape in MLX
+        order; ggml type name) of every tensor, from the header alone (the memory plan's input)."""
+        out = []
+        for t in self.reader.tensors:
+            path = mlx_name(t.name)
+            quantized = t.tensor_type not in FLOAT_TYPES
+            out.append((module_path(path) if quantized else path, tuple(int(x) for x in reversed(t.shape)),
+                        t.tensor_type.name))
+        return out
+
     def stored_names(self) -> list[str]:
         """Every MLX array name the converted tensors will have, in order (before converting)."""
         return [n for t in self.reader.tensors
                 for n in stored_names(mlx_name(t.name), quantized=t.tensor_type not in FLOAT_TYPES)]
 
-    def tensors(self, compact: bool = False, progress: Progress | None = None) -> Iterator[Converted]:
-        """Each tensor converted (exact unless ``compact``), one at a time, in file order.
+    def tensors(self, precision: str = "exact", progress: Progress | None = None) -> Iterator[Converted]:
+        """Each tensor converted to ``precision`` (``mlx_dgemma.tiers``; "exact" is bit-exact),
+        one at a time, in file order.
 
         ``progress`` is called once a consumer has taken a tensor; then its pages are dropped
         from the memory map, so the resident set stays at about one tensor.
@@ -117,7 +130,7 @@ class GGUFSource:
         total, done = self.n_bytes, 0
         for i, t in enumerate(tensors):
             try:
-                c = convert_tensor(self._read(t), compact=compact)
+                c = convert_tensor(self._read(t), precision, self.args.num_hidden_layers)
             except NonFiniteError as e:  # name the file too
                 raise NonFiniteError(f"{self.path}: {e}") from None
             yield c
@@ -221,7 +234,7 @@ def model_metadata(reader: GGUFReader, source: str) -> tuple[dict, ModelArgs]:
     return md, cfg
 
 
-def model_config(md: dict, cfg: ModelArgs, specs: dict[str, QuantSpec], compact: bool, source: str) -> dict:
+def model_config(md: dict, cfg: ModelArgs, specs: dict[str, QuantSpec], precision: str, source: str) -> dict:
     """config.json: a diffusion_gemma config plus a per-tensor ``quantization`` section."""
     bits = Counter(s.bits for s in specs.values()).most_common(1)
     quant = {"group_size": 32, "bits": bits[0][0] if bits else 4, "mode": "affine",
@@ -234,7 +247,7 @@ def model_config(md: dict, cfg: ModelArgs, specs: dict[str, QuantSpec], compact:
         "tie_word_embeddings": True,
         "text_config": cfg.to_dict(),
         "quantization": quant,
-        "mlx_dgemma": {"format_version": FORMAT_VERSION, "weights": "compact" if compact else "exact",
+        "mlx_dgemma": {"format_version": FORMAT_VERSION, "weights": precision,
                        "source": Path(source).name, "ggml_file_type": md.get("general.file_type"),
                        "general.name": md.get("general.name")},
     }

@@ -1,4 +1,4 @@
-"""Tensor-by-tensor repacking of a GGUF into MLX arrays (NumPy), exact or compact."""
+"""Tensor-by-tensor repacking of a GGUF into MLX arrays (NumPy), exact or in a lossy precision."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from mlx_dgemma.errors import NonFiniteError
 from mlx_dgemma.schema import ModelArgs, QuantSpec
+from mlx_dgemma.tiers import SCALE_DTYPE, requantize, target
 from .errors import ConvertError
 from .names import expected_tensors, mlx_name, module_path, stored_names
 from .quants import (FLOAT_TYPES, FORMATS, SUPPORTED_TYPES, dequantize_affine, narrowest_exact_dtype,
-                     pack_bits, repack_rows)
+                     repack_rows)
 
 # Rows of ggml blocks repacked at a time: bounds the temporary arrays to a few tens of MB.
 _CHUNK_BYTES = 8 << 20
@@ -31,7 +32,8 @@ class Converted:
     spec: QuantSpec | None
     n_elements: int
     gguf_bytes: int
-    max_abs_error: float = 0.0
+    max_abs_error: float = 0.0  # lossy precisions: max |stored - exact| (0: this tensor is exact)
+    rel_rms_error: float = 0.0  # sqrt(sum (stored - exact)^2 / sum exact^2)
 
     @property
     def nbytes(self) -> int:
@@ -80,20 +82,14 @@ def check_inventory(reader: GGUFReader, cfg: ModelArgs, source: str) -> None:
                                "must be F32/F16/BF16 (it is a norm, scale or router vector)")
 
 
-def _compact_8bit(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Requantize float32 rows to 8-bit group-32 affine with float16 scale and bias."""
-    g = w.reshape(*w.shape[:-1], -1, 32)
-    lo, hi = g.min(-1), g.max(-1)
-    scale = ((hi - lo) / 255).astype(np.float16)
-    bias = lo.astype(np.float16)
-    s32 = scale.astype(np.float32)
-    safe = np.where(s32 == 0, 1, s32)
-    q = np.clip(np.rint((g - bias.astype(np.float32)[..., None]) / safe[..., None]), 0, 255)
-    return q.astype(np.uint8).reshape(w.shape), scale, bias
+def convert_tensor(t, precision: str = "exact", num_layers: int = 0) -> Converted:
+    """Repack one GGUF tensor; quantized matrices become weight/scales/biases.
 
-
-def convert_tensor(t, compact: bool = False) -> Converted:
-    """Repack one GGUF tensor; quantized matrices become weight/scales/biases."""
+    ``precision`` "exact" repacks bit-exactly; a lossy precision (``mlx_dgemma.tiers``) either
+    keeps the exact integers with float16 scales or re-quantizes the tensor with the one
+    re-quantizer (:func:`mlx_dgemma.tiers.requantize`), and records its error against the exact
+    values. ``num_layers`` tells the tier recipes which layers are the first and last.
+    """
     path = mlx_name(t.name)
     shape = _mlx_shape(t)
     qtype = t.tensor_type
@@ -112,43 +108,73 @@ def convert_tensor(t, compact: bool = False) -> Converted:
     fmt = FORMATS[qtype]
     rows, width = _rows(t)
     raw2 = raw.reshape(rows, -1)
-    requant = compact and fmt.subblock == 16 and fmt.bits > 4
-    bits = 8 if requant else fmt.bits
-    subblock = 32 if requant else fmt.subblock
-    padded = width * (2 if subblock == 16 else 1)
-    w_out = np.empty((rows, padded * bits // 32), dtype=np.uint32)
-    s_out = np.empty((rows, padded // 32), dtype=np.float16 if requant else np.float32)
-    b_out = np.empty_like(s_out)
-    err = 0.0
+    goal = target(precision, module_path(path), qtype.name, num_layers, width)
+    err = _Error()
     step = max(1, _CHUNK_BYTES // max(1, raw2.shape[1]))
-    for r0 in range(0, rows, step):
-        chunk = raw2[r0:r0 + step]
-        if requant:
+    if goal is not None:
+        bits, group, subblock = goal.bits, goal.group_size, 32
+        w_out = np.empty((rows, width * bits // 32), dtype=np.uint32)
+        s_out = np.empty((rows, width // group), dtype=SCALE_DTYPE)
+        b_out = np.empty_like(s_out)
+        for r0 in range(0, rows, step):
+            chunk = raw2[r0:r0 + step]
             exact = gguf_dequantize(chunk, qtype).reshape(chunk.shape[0], width)
-            q, s, b = _compact_8bit(exact)
-            w_out[r0:r0 + step] = pack_bits(q, 8)
-            s_out[r0:r0 + step], b_out[r0:r0 + step] = s, b
-            back = q.reshape(*q.shape[:-1], -1, 32) * s.astype(np.float32)[..., None] \
-                + b.astype(np.float32)[..., None]
-            err = max(err, float(np.abs(back.reshape(exact.shape) - exact).max(initial=0.0)))
-        else:
-            a = repack_rows(chunk, qtype)
-            w_out[r0:r0 + step], s_out[r0:r0 + step], b_out[r0:r0 + step] = a.weight, a.scales, a.biases
-            if compact:  # float16 scales: measure against the exact float32 ones
-                exact = dequantize_affine(a.weight, a.scales, a.biases, bits)
-                lossy = dequantize_affine(a.weight, a.scales.astype(np.float16), a.biases.astype(np.float16), bits)
-                err = max(err, float(np.abs(lossy - exact).max(initial=0.0)))
-    _check_finite(t.name, np.isfinite(s_out), "scales")
-    _check_finite(t.name, np.isfinite(b_out), "offsets")
-    if compact:
-        scale_dtype = np.float16
+            try:
+                r = requantize(exact, goal)
+            except OverflowError as e:
+                raise ConvertError(f"tensor {t.name!r}: {e}; convert it with --precision exact") from None
+            w_out[r0:r0 + step], s_out[r0:r0 + step], b_out[r0:r0 + step] = r.weight, r.scales, r.biases
+            err.add(r.max_abs_error, r.sq_error, r.sq_exact)
+        scale_dtype = SCALE_DTYPE
     else:
+        bits, group, subblock = fmt.bits, 32, fmt.subblock
+        padded = width * (2 if subblock == 16 else 1)
+        w_out = np.empty((rows, padded * bits // 32), dtype=np.uint32)
+        s_out = np.empty((rows, padded // 32), dtype=np.float32)
+        b_out = np.empty_like(s_out)
+        for r0 in range(0, rows, step):
+            a = repack_rows(raw2[r0:r0 + step], qtype)
+            w_out[r0:r0 + step], s_out[r0:r0 + step], b_out[r0:r0 + step] = a.weight, a.scales, a.biases
+        _check_finite(t.name, np.isfinite(s_out), "scales")
+        _check_finite(t.name, np.isfinite(b_out), "offsets")
         scale_dtype = narrowest_exact_dtype(s_out, b_out)
+        if precision != "exact" and scale_dtype != np.float16 and _fits_half(s_out, b_out):
+            scale_dtype = np.float16  # lossy: the exact integers with rounded scales
+            for r0 in range(0, rows, step):
+                sl = slice(r0, r0 + step)
+                exact = dequantize_affine(w_out[sl], s_out[sl], b_out[sl], bits, subblock)
+                lossy = dequantize_affine(w_out[sl], s_out[sl].astype(np.float16), b_out[sl].astype(np.float16),
+                                          bits, subblock)
+                diff = lossy - exact
+                err.add(float(np.abs(diff).max(initial=0.0)), float(np.square(diff, dtype=np.float64).sum()),
+                        float(np.square(exact, dtype=np.float64).sum()))
+        # else: float16 is exact, or would overflow (kept float32 then): this tensor stays exact
     lead = shape[:-1]
     parts = (w_out, s_out.astype(scale_dtype, copy=False), b_out.astype(scale_dtype, copy=False))
     arrays = {name: a.reshape(*lead, -1) for name, a in zip(stored_names(path, quantized=True), parts)}
-    spec = QuantSpec(bits, 32, np.dtype(scale_dtype).name, subblock, qtype.name)
-    return Converted(t.name, module_path(path), qtype.name, arrays, spec, n_el, int(t.n_bytes), err)
+    spec = QuantSpec(bits, group, np.dtype(scale_dtype).name, subblock, qtype.name)
+    return Converted(t.name, module_path(path), qtype.name, arrays, spec, n_el, int(t.n_bytes),
+                     err.max_abs, err.rel_rms)
+
+
+class _Error:
+    """Running max and relative RMS of (lossy - exact) over a tensor's row chunks."""
+
+    def __init__(self) -> None:
+        self.max_abs, self.sq, self.ref = 0.0, 0.0, 0.0
+
+    def add(self, max_abs: float, sq: float, ref: float) -> None:
+        self.max_abs, self.sq, self.ref = max(self.max_abs, max_abs), self.sq + sq, self.ref + ref
+
+    @property
+    def rel_rms(self) -> float:
+        return float(np.sqrt(self.sq / self.ref)) if self.ref > 0 else 0.0
+
+
+def _fits_half(*arrays: np.ndarray) -> bool:
+    """Every value within float16's range (else float16 scales would be Inf)."""
+    limit = float(np.finfo(np.float16).max)
+    return all(float(np.abs(a).max(initial=0.0)) <= limit for a in arrays)
 
 
 def _check_finite(name: str, finite: np.ndarray, what: str = "values") -> None:

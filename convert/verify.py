@@ -7,8 +7,6 @@ dropped). Values are compared as float32, row chunk by row chunk, so memory stay
 
 from __future__ import annotations
 
-import json
-
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +17,7 @@ import numpy as np
 from gguf.quants import dequantize as gguf_dequantize
 
 from mlx_dgemma.paths import user_path
+from mlx_dgemma.tiers import stored_precision
 
 from mlx_dgemma.schema import ModelArgs, QuantSpec, unpad_subblocks
 from mlx_dgemma.validate import check_model_dir, check_safetensors, model_dir_shards
@@ -87,23 +86,26 @@ class VerifyReport:
     checked: int = 0
     exact: int = 0
     mismatches: list[str] = field(default_factory=list)
+    # lossy directories: per lossy tensor, its measured max |stored - exact| and relative RMS
     max_abs_error: dict[str, float] = field(default_factory=dict)
-    # a --compact directory is lossy by design: each tensor is held to the max error its
-    # conversion recorded (conversion_report.json) instead of to bit-exactness
-    compact: bool = False
+    rel_rms_error: dict[str, float] = field(default_factory=dict)
+    # the form of the directory's weights (config.json mlx_dgemma.weights): a lossy one is
+    # checked against what its precision's re-quantizer gives for this GGUF, recomputed here
+    # (nothing the directory says about its own errors is trusted)
+    precision: str = "exact"
 
     @property
     def ok(self) -> bool:
         return not self.mismatches and self.checked > 0
 
+    @property
+    def lossy(self) -> bool:
+        return self.precision != "exact"
 
-def _recorded_bounds(model_dir: Path) -> dict[str, float]:
-    """Per-tensor max |compact - exact| that ``convert --compact`` recorded."""
-    try:
-        rec = json.loads((model_dir / "conversion_report.json").read_text()).get("max_abs_error", {})
-    except (OSError, ValueError, AttributeError):
-        return {}
-    return {k: float(v) for k, v in rec.items() if isinstance(v, (int, float))} if isinstance(rec, dict) else {}
+    def bound_lines(self) -> list[str]:
+        """One line per lossy tensor: its measured error against the GGUF's exact values."""
+        return [f"  {name}: max |{self.precision} - exact| {err:.3g}, relative RMS "
+                f"{self.rel_rms_error.get(name, 0.0):.3g}" for name, err in self.max_abs_error.items()]
 
 
 def _mlx_dequant(w: np.ndarray, s: np.ndarray, b: np.ndarray, spec: QuantSpec) -> np.ndarray:
@@ -118,14 +120,55 @@ def verify(model_dir: str | Path, gguf_path: str | Path,
     config, weights = open_model_dir(user_path(model_dir))
     with GGUFSource(gguf_path, ARCH) as source:  # architecture, tensor names and shapes first
         check_same_model(config, source.args, user_path(model_dir), source.path)
+        stored = stored_precision(config)
+        if stored != "exact":
+            return _compare_lossy(stored, weights, source, model_dir, progress)
         return _compare(config, weights, source, model_dir, progress)
+
+
+def _compare_lossy(precision: str, weights: dict[str, np.ndarray], source: GGUFSource, model_dir: str | Path,
+                   progress: Callable[[int, int, str], None] | None) -> VerifyReport:
+    """A lossy directory: every stored array must be what ``convert --precision PRECISION`` gives
+    for this GGUF (the re-quantizer is deterministic NumPy), recomputed here from the GGUF's
+    blocks, and each lossy tensor's error is measured against the GGUF's exact values. The
+    directory's own conversion_report.json is never read: a forged bound cannot pass."""
+    report = VerifyReport(precision=precision)
+    n = len(source.reader.tensors)
+    seen: set[str] = set()
+    for i, c in enumerate(source.tensors(precision)):
+        bad = []
+        for name, want in c.arrays.items():
+            seen.add(name)
+            got = weights.get(name)
+            want = np.asarray(want)
+            if got is None:
+                bad.append(f"{name} missing from {model_dir}")
+            elif got.shape != want.shape or got.dtype != want.dtype:
+                bad.append(f"{name} stored as {got.dtype}{list(got.shape)}, {precision} gives "
+                           f"{want.dtype}{list(want.shape)}")
+            elif not np.array_equal(got, want):
+                differ = int(np.count_nonzero(got != want))
+                bad.append(f"{name}: {differ} of {want.size} stored values differ from what --precision "
+                           f"{precision} gives for this GGUF")
+        report.checked += 1
+        if bad:
+            report.mismatches.append(f"{c.gguf_name}: " + "; ".join(bad) + f" (its {precision} bound: max "
+                                     f"|{precision} - exact| {c.max_abs_error:.3g})")
+        elif c.max_abs_error > 0:
+            report.max_abs_error[c.gguf_name] = c.max_abs_error
+            report.rel_rms_error[c.gguf_name] = c.rel_rms_error
+        else:
+            report.exact += 1
+        if progress:
+            progress(i + 1, n, c.gguf_name)
+    report.mismatches += [f"{k}: stored in {model_dir} but not in the GGUF" for k in sorted(set(weights) - seen)]
+    return report
 
 
 def _compare(config: dict, weights: dict[str, np.ndarray], source: GGUFSource, model_dir: str | Path,
              progress: Callable[[int, int, str], None] | None) -> VerifyReport:
     quant = config.get("quantization", {})
-    report = VerifyReport(compact=(config.get("mlx_dgemma") or {}).get("weights") == "compact")
-    bounds = _recorded_bounds(user_path(model_dir)) if report.compact else {}
+    report = VerifyReport()
     tensors = list(source.reader.tensors)
     for i, t in enumerate(tensors):
         path = mlx_name(t.name)
@@ -167,11 +210,8 @@ def _compare(config: dict, weights: dict[str, np.ndarray], source: GGUFSource, m
         report.checked += 1
         if bad:
             report.max_abs_error[t.name] = err
-            bound = bounds.get(t.name)
-            if bound is None or err > bound * (1 + 1e-5) + 1e-12:  # recomputed: allow its rounding
-                within = "" if bound is None else f", over the recorded compact bound {bound:.3g}"
-                report.mismatches.append(f"{t.name}: {bad} of {rows * width} values differ "
-                                         f"(max abs error {err:.3g}{within})")
+            report.mismatches.append(f"{t.name}: {bad} of {rows * width} values differ "
+                                     f"(max abs error {err:.3g})")
         else:
             report.exact += 1
         if progress:

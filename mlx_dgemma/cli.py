@@ -30,7 +30,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.max_shard_gb) and 0.001 <= args.max_shard_gb <= 1e6):
         raise ParameterError(f"--max-shard-gb {args.max_shard_gb}: must be a number of GB in [0.001, 1e6]")
     bar = ProgressBar("converting")
-    report = convert(args.gguf, args.out_dir, compact=args.compact, force=args.force,
+    report = convert(args.gguf, args.out_dir, precision=args.precision, force=args.force,
                      max_shard_bytes=int(args.max_shard_gb * 1e9),
                      progress=lambda done, total, i, n, name: bar.update(done, total, f"{i}/{n} {name}"))
     print("\n".join(report.summary_lines()))
@@ -48,10 +48,12 @@ def _run_verify(out_dir: str, gguf: str) -> int:
     report = verify(out_dir, gguf, progress=lambda i, n, name: bar.update(i, n, name))
     for line in report.mismatches:
         print(f"MISMATCH {line}")
-    if report.compact:  # lossy by design: held to the error bounds its conversion recorded
-        verdict = (f"a --compact directory: {report.exact} exact, {len(report.max_abs_error)} within the recorded "
-                   "compact error bounds" if report.ok else f"{len(report.mismatches)} tensor(s) outside the "
-                   "recorded compact error bounds")
+    if report.lossy:  # lossy by design: each tensor held to the bound its precision allows
+        for line in report.bound_lines():
+            print(line)
+        verdict = (f"a {report.precision} directory: {report.exact} exact, {len(report.max_abs_error)} within "
+                   f"{report.precision}'s error bounds (recomputed from the GGUF)" if report.ok
+                   else f"{len(report.mismatches)} tensor(s) outside {report.precision}'s error bounds")
     else:
         verdict = "all exact" if report.ok else f"{len(report.mismatches)} tensor(s) differ"
     print(f"verified {report.checked} tensors of {out_dir} against {gguf}: {verdict}")
@@ -83,12 +85,30 @@ def add_sampler_args(p: argparse.ArgumentParser) -> None:
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
     """``--precision`` and ``--dtype``: the runtime precision (see mlx_dgemma.precision)."""
-    p.add_argument("--precision", choices=("auto", "exact", "fast"), default="auto",
-                   help="runtime precision: exact = float32 and bit-exact weights; fast = bfloat16 on a GPU "
-                        "(float32 on the CPU), scales in that dtype, 16-element sub-blocks re-quantized to "
-                        "8 bits; auto (default) = fast. Files on disk are exact either way")
+    from .tiers import PRECISIONS, TIER_HELP
+
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="runtime precision: " + "; ".join(f"{k} = {v}" for k, v in TIER_HELP.items())
+                        + "; auto (default) = fast, or the most exact tier that fits memory "
+                        "(mlx-dgemma plan MODEL lists them)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="activation dtype of fast precision (default: bfloat16 on a GPU, float32 on the CPU)")
+                   help="activation dtype of the lossy precisions (default: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--memory-limit", metavar="SIZE", default=None,
+                   help="memory the model may use, e.g. 14GB (default: what the device offers: Metal's recommended "
+                        "working set, or available RAM); a precision that does not fit is refused before loading")
+
+
+def planned_precision(args: argparse.Namespace) -> str:
+    """--precision after the memory plan (auto -> the most exact form that fits --memory-limit or
+    the device); refuses, in one line, a model that does not fit. Nothing is loaded."""
+    from .plan import parse_size
+
+    limit = parse_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
+    if not getattr(args, "model", None) or getattr(args, "demo", False):
+        return args.precision
+    from .loader import plan_model
+
+    return plan_model(args.model, limit).choose(args.precision)
 
 
 # generation parameter -> the flag that sets it (errors name what the user typed)
@@ -142,13 +162,15 @@ def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | Non
         raise ParameterError(f"{FLAGS[e.name]} {overrides.get(e.name)}: must be {rule}") from None
 
 
-def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precision: str = "auto"):
+def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precision: str = "auto",
+                 memory_limit: int | None = None):
     """(model, tokenizer) from --model or --demo (the core's ``open_model``), loading progress on stderr."""
     from .loader import open_model
     from .progress import ProgressBar
 
     bar = ProgressBar("loading", unit="tensors", scale=1)
-    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name))
+    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name),
+                      memory_limit=memory_limit)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -163,7 +185,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     check_text(args.prompt, "--prompt")
     if args.trace:
         check_trace_path(args.trace, "--trace")
-    model, tokenizer = load_for_cli(args.model, args.demo, args.dtype, args.precision)
+    from .plan import parse_size
+
+    limit = parse_size(args.memory_limit) if args.memory_limit else None
+    model, tokenizer = load_for_cli(args.model, args.demo, args.dtype, args.precision, limit)
     gen_cfg = getattr(model, "generation_config", None)
     check_sampler_flags(overrides, gen_cfg)  # against the model's own defaults
     if getattr(model, "is_demo", False) and not args.json:
@@ -230,7 +255,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from .precision import resolve_precision
 
     resolve_precision(args.precision, args.dtype)  # a contradiction is an error before the app starts
-    return run_app(model=args.model, demo=args.demo, dtype=args.dtype, precision=args.precision)
+    precision = planned_precision(args)  # a model that does not fit is refused before the app starts
+    return run_app(model=args.model, demo=args.demo, dtype=args.dtype, precision=precision)
 
 
 CHAT_EPILOG = """\
@@ -258,7 +284,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .server import main as serve_main
 
+    args.precision = planned_precision(args)  # refused before the server starts if it does not fit
     return serve_main(args)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .loader import plan_model
+    from .plan import parse_size
+
+    if args.context is not None and not (isinstance(args.context, int) and 1 <= args.context <= 1 << 22):
+        from .errors import ParameterError
+
+        raise ParameterError(f"--context {args.context}: must be a number of tokens in [1, 4194304]")
+    plan = plan_model(args.model, parse_size(args.memory_limit) if args.memory_limit else None, args.context)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else "\n".join(plan.table()))
+    return 0
 
 
 def add_model_commands(sub: argparse._SubParsersAction) -> None:
@@ -325,8 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="repack a DiffusionGemma GGUF into an MLX model directory")
     c.add_argument("gguf", help="the .gguf file")
     c.add_argument("out_dir", help="output directory, created with its parents (must not exist unless --force)")
-    c.add_argument("--compact", action="store_true",
-                   help="smaller but lossy: float16 scales, 8-bit groups for Q6_K (default: exact)")
+    from .tiers import TIER_HELP, TIERS
+
+    c.add_argument("--precision", choices=TIERS, default="exact",
+                   help="the weights' form on disk (default exact, bit for bit); a lossy one is smaller and is "
+                        "what a small Mac loads without ever holding the exact form: "
+                        + "; ".join(f"{k} = {v}" for k, v in TIER_HELP.items() if k != "exact"))
+    c.add_argument("--compact", action="store_const", dest="precision", const="fast",
+                   help="the same as --precision fast (its older name)")
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     c.add_argument("--verify", action="store_true", help="verify every tensor after converting")
     c.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GB)")
@@ -336,6 +382,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("out_dir", help="the directory written by mlx-dgemma convert")
     v.add_argument("gguf", help="the .gguf file it was converted from")
     v.set_defaults(func=_cmd_verify)
+
+    pl = sub.add_parser("plan", help="memory each precision needs for a model, and whether it fits",
+                        description="For every precision: the bytes the weights, the KV cache and a step's working "
+                                    "memory need, and whether that fits this machine (or --memory-limit). "
+                                    "Reads no weights.")
+    pl.add_argument("model", help="converted directory or .gguf file")
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    pl.add_argument("--memory-limit", metavar="SIZE", help="compare with SIZE (e.g. 14GB) instead of this machine")
+    pl.add_argument("--context", type=int, default=None, help="tokens to reserve KV cache for (default 4096)")
+    pl.set_defaults(func=_cmd_plan)
 
     add_model_commands(sub)
     for command in sub.choices.values():  # --debug also after the subcommand (SUPPRESS: no clobbering)

@@ -14,7 +14,7 @@ import numpy as np
 from .errors import ModelFilesError
 from .model import DiffusionGemma, ModelArgs
 from .paths import user_path
-from .precision import Precision, apply_precision, resolve_precision
+from .precision import Precision, apply_precision, check_loadable, resolve_precision, stored_precision
 from .quantized import quantize_modules
 from .schema import QuantSpec
 from .tokenizer import Tokenizer
@@ -38,8 +38,11 @@ def _load_weights(model: nn.Module, weights: list[tuple[str, mx.array]], source:
 
 
 def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[DiffusionGemma, dict]:
-    """A converted directory, loaded exactly and then put in ``precision``'s runtime form."""
+    """A converted directory, loaded as stored and then put in ``precision``'s runtime form
+    (the stored form or a less exact one)."""
     config = check_model_dir(path)  # every file's keys, types, ranges and headers, before any work
+    prec = resolve_precision(precision)
+    check_loadable(stored_precision(config), prec, str(path))
     shards = model_dir_shards(path)
     try:
         model = build_model(config)
@@ -50,16 +53,24 @@ def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[Diffusio
     for f in shards:
         weights.extend(mx.load(str(f)).items())
     _load_weights(model, weights, str(path))
+    weights.clear()
     mx.eval(model.parameters())
-    apply_precision(model, resolve_precision(precision))
+    apply_precision(model, prec, config.get("quantization"))
     return model, config
 
 
-def load_gguf(path: Path, precision: Precision | str = "exact", compact: bool = False,
+def load_gguf(path: Path, precision: Precision | str = "exact",
               progress: Callable[[int, int, str], None] | None = None) -> tuple[DiffusionGemma, dict, dict]:
     """Convert a GGUF in memory (same repack as ``convert``); returns model, config and the side
-    data (``generation_config``, ``tokenizer``, and ``chat_template`` when the GGUF has one)."""
+    data (``generation_config``, ``tokenizer``, and ``chat_template`` when the GGUF has one).
+
+    A memory tier (q4, q3) is re-quantized tensor by tensor as it is read, so the exact form is
+    never held; exact and fast are repacked exactly, then put in their runtime form.
+    """
     from mlx_dgemma.convert import BF16Payload, GGUFSource
+
+    prec = resolve_precision(precision)
+    form = prec.name if prec.lossy_weights else "exact"
 
     def report(done: int, total: int, i: int, n: int, name: str) -> None:
         progress(i, n, name)
@@ -67,46 +78,95 @@ def load_gguf(path: Path, precision: Precision | str = "exact", compact: bool = 
     weights: list[tuple[str, mx.array]] = []
     specs: dict[str, QuantSpec] = {}
     with GGUFSource(path) as source:
-        for c in source.tensors(compact=compact, progress=report if progress else None):
+        for c in source.tensors(form, progress=report if progress else None):
             for name, a in c.arrays.items():
                 arr = mx.array(a.view(np.uint16)).view(mx.bfloat16) if isinstance(a, BF16Payload) else mx.array(a)
                 weights.append((name, arr))
             if c.spec is not None:
                 specs[c.module] = c.spec
-        config = source.config(specs, compact)
+        config = source.config(specs, form)
         model = build_model(config)
         _load_weights(model, weights, str(path))
         weights.clear()
         mx.eval(model.parameters())
-        apply_precision(model, resolve_precision(precision))
+        apply_precision(model, prec, config["quantization"])
         side = {"generation_config": source.generation_config, "tokenizer": source.tokenizer}
         if source.chat_template is not None:
             side["chat_template"] = source.chat_template
     return model, config, side
 
 
+def model_inventory(path: str | Path) -> tuple[ModelArgs, list, str]:
+    """(shape, tensor inventory, stored form) of a converted directory or a .gguf, from its
+    config or header alone (no weight is read): what the memory plan prices."""
+    from .tiers import TensorInfo, stored_precision
+
+    p = user_path(path)
+    if p.is_dir():
+        config = check_model_dir(p)
+        args = ModelArgs.from_config(config)
+        specs = {k: QuantSpec.from_dict(v) for k, v in config.get("quantization", {}).items() if isinstance(v, dict)}
+        # the unloaded model's parameter shapes: MLX arrays are lazy, nothing is allocated
+        from mlx.utils import tree_flatten
+
+        inventory = []
+        for name, a in tree_flatten(DiffusionGemma(args).parameters()):
+            module = name[:-len(".weight")] if name.endswith(".weight") else name
+            spec = specs.get(module)
+            inventory.append(TensorInfo(module, tuple(a.shape), spec.ggml_type or "Q8_0") if spec is not None
+                             else TensorInfo(name, tuple(a.shape), "F32"))
+        return args, inventory, stored_precision(config)
+    if p.is_file():
+        from mlx_dgemma.convert import GGUFSource
+
+        with GGUFSource(p) as source:
+            return source.args, [TensorInfo(*t) for t in source.inventory()], "gguf"
+    raise ModelFilesError(f"{p}: no such file or directory; give a .gguf file or a directory written by "
+                          "`mlx-dgemma convert`")
+
+
+def plan_model(path: str | Path, memory_limit: int | None = None, context_tokens: int | None = None):
+    """The memory plan (:class:`mlx_dgemma.plan.Plan`) of a model, before loading it."""
+    from .plan import DEFAULT_CONTEXT, make_plan
+
+    args, inventory, stored = model_inventory(path)
+    return make_plan(str(path), args, inventory, stored, context_tokens=context_tokens or DEFAULT_CONTEXT,
+                     memory_limit=memory_limit)
+
+
 def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.Dtype | None = None,
-         compact: bool = False,
-         progress: Callable[[int, int, str], None] | None = None) -> tuple[DiffusionGemma, Tokenizer]:
-    """Load a converted directory, or convert a .gguf in memory (exact unless ``compact``).
+         progress: Callable[[int, int, str], None] | None = None,
+         memory_limit: int | None = None) -> tuple[DiffusionGemma, Tokenizer]:
+    """Load a converted directory, or convert a .gguf in memory.
 
     ``precision`` is the runtime precision (``mlx_dgemma.precision``): "exact" (float32,
     bit-exact weights), "fast" (the device's fast activation dtype, scales cast to it, padded
-    sub-block tensors re-quantized to 8 bits) or "auto" (= fast). ``dtype`` picks fast's
-    activation dtype (default: bfloat16 on a GPU, float32 on the CPU). Nothing on disk changes.
+    sub-block tensors re-quantized to 8 bits), the memory tiers "q4" and "q3" (weights
+    re-quantized, ``mlx_dgemma.tiers``) or "auto" (= fast). ``dtype`` picks the lossy
+    precisions' activation dtype (default: bfloat16 on a GPU, float32 on the CPU). Nothing on
+    disk changes.
     ``~`` and environment variables in ``path`` are expanded.
+
+    Before any weight is read, a memory plan (:mod:`mlx_dgemma.plan`) prices the precision
+    against the device (or ``memory_limit`` bytes): ``auto`` becomes the most exact form that
+    fits, and a precision that does not fit raises :class:`MemoryBudgetError` (one line).
     The model's generation defaults (generation_config.json or the GGUF's) are attached as
     ``model.generation_config``; the resolved precision as ``model.precision``.
     """
     prec = resolve_precision(precision, dtype)
     p = user_path(path)  # "~/models/dgemma" works as README writes it
+    if p.exists():
+        requested = precision if isinstance(precision, str) else precision.name
+        chosen = plan_model(p, memory_limit).choose(requested or "auto")
+        if chosen != prec.name:
+            prec = resolve_precision(chosen, dtype)
     if p.is_dir():
         model, _ = load_dir(p, precision=prec)
         tokenizer = Tokenizer.from_dir(p)
         gen_file = p / "generation_config.json"
         gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
     elif p.is_file():
-        model, _, side = load_gguf(p, precision=prec, compact=compact, progress=progress)
+        model, _, side = load_gguf(p, precision=prec, progress=progress)
         tokenizer = Tokenizer(side["tokenizer"], side.get("chat_template"))
         gen = side["generation_config"]
     else:
@@ -131,7 +191,8 @@ def check_model_choice(model: str | None, demo: bool) -> None:
 
 
 def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: str | None = None,
-               progress: Callable[[int, int, str], None] | None = None) -> tuple[Any, Any]:
+               progress: Callable[[int, int, str], None] | None = None,
+               memory_limit: int | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) for a front end: the built-in demo model if ``demo``, else ``model``
     (a converted directory or a .gguf, ``~`` expanded), in runtime ``precision`` (``dtype``:
     fast's activation dtype). ``progress(i, n, tensor)`` follows a .gguf's in-memory conversion.
@@ -150,4 +211,4 @@ def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: st
     if not model:
         raise ParameterError("--model: not given; pass a converted directory or a .gguf file "
                              "(or --demo for the built-in demo model)")
-    return load(model, precision=prec, progress=progress)
+    return load(model, precision=precision, dtype=dtype, progress=progress, memory_limit=memory_limit)

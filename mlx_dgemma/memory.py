@@ -136,6 +136,26 @@ def available_bytes() -> int:
         return 1 << 62
 
 
+def device_budget() -> tuple[int, str]:
+    """(bytes, what they are) a model may use on this device, before anything is loaded: Metal's
+    recommended working set on a Mac's GPU, the device's memory on a CUDA GPU (MLX reports no
+    free figure there), available RAM on the CPU backend; less what MLX already holds."""
+    import sys
+
+    held = _mlx("get_active_memory")
+    try:
+        if mx.default_device() == mx.gpu:
+            info = mx.device_info()
+            if info.get("max_recommended_working_set_size"):
+                label = "Metal's recommended working set" if sys.platform == "darwin" else "the GPU's working set"
+                return max(0, int(info["max_recommended_working_set_size"]) - held), label
+            if info.get("memory_size"):
+                return max(0, int(info["memory_size"]) - held), "the GPU's memory"
+    except (AttributeError, RuntimeError):  # pragma: no cover - older MLX / no device info
+        pass
+    return available_bytes(), "available RAM"
+
+
 def _cgroup_headroom() -> int:
     """A container's memory limit less its usage (cgroup v2), or no bound."""
     try:

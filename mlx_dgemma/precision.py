@@ -1,6 +1,7 @@
-"""Runtime precision: ``exact`` (bit-exact weights, float32 everywhere) or ``fast``.
+"""Runtime precision: ``exact``, ``fast``, the memory tiers ``q4`` and ``q3``, or ``auto``.
 
-The converted files are always exact; precision is a choice made at load time, in memory:
+What each precision stores for each weight is declared once, in :mod:`mlx_dgemma.tiers` (NumPy,
+shared with ``convert --precision``); this module applies it to a loaded model, in memory:
 
 * ``exact``: float32 activations; every quantized weight's scales and biases as stored
   (float32 for K-quants), padded 16-element sub-blocks kept, so each dequantized weight is
@@ -14,7 +15,14 @@ The converted files are always exact; precision is a choice made at load time, i
   self-conditioning do their multiply-adds once instead of over a zero-padded matrix twice as
   wide. Approximate; the error against exact is measured (README, ``bench``) and bounded in
   tests.
-* ``auto`` (the default): ``fast``.
+* ``q4`` / ``q3``: fast's activations, and the weights re-quantized by the tier's recipe
+  (:func:`mlx_dgemma.tiers.target`) with float16 scales (cast to the activation dtype on a GPU;
+  kept float16 on the CPU, where they cost half the memory and MLX upcasts them per call).
+* ``auto`` (the default): ``fast``; when the loader's memory plan says fast does not fit, the
+  most exact tier that does (:mod:`mlx_dgemma.plan`).
+
+A converted directory holds one of these forms (config.json's ``mlx_dgemma.weights``); it can
+be loaded in that precision or a less exact one, never a more exact one.
 """
 
 from __future__ import annotations
@@ -25,21 +33,20 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
+import numpy as np
+
 from .errors import ParameterError
+from .schema import QuantSpec
+from .tiers import FAST_BITS, FAST_GROUP, PRECISIONS, TIERS, Target, requantize, stored_precision, target
 
-PRECISIONS = ("auto", "exact", "fast")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-
-# Re-quantization target for padded sub-block tensors in fast mode: 8 bits keeps Q6_K's
-# 6-bit values (and Q3_K's, Q2_K's) to within a fraction of their own step (see README's
-# fast-vs-exact table); 32 is MLX's smallest affine group.
-FAST_BITS = 8
-FAST_GROUP = 32
+__all__ = ["DTYPES", "FAST_BITS", "FAST_GROUP", "PRECISIONS", "TIERS", "Precision", "apply_precision",
+           "fast_dtype", "gpu_available", "quantized_dtype_report", "resolve_precision", "stored_precision"]
 
 
 @dataclass(frozen=True)
 class Precision:
-    """A resolved runtime precision: ``name`` is "exact" or "fast", ``dtype`` the activations'."""
+    """A resolved runtime precision: ``name`` one of :data:`TIERS`, ``dtype`` the activations'."""
 
     name: str
     dtype: mx.Dtype
@@ -50,8 +57,13 @@ class Precision:
 
     @property
     def label(self) -> str:
-        """For status lines and JSON: "fast (bfloat16)", "exact (float32)"."""
+        """For status lines and JSON: "fast (bfloat16)", "exact (float32)", "q4 (float32)"."""
         return f"{self.name} ({self.dtype_name})"
+
+    @property
+    def lossy_weights(self) -> bool:
+        """Weights re-quantized (the tiers), not just scales rounded."""
+        return self.name in ("q4", "q3")
 
 
 def gpu_available() -> bool:
@@ -65,9 +77,10 @@ def fast_dtype() -> mx.Dtype:
 
 
 def resolve_precision(precision: str | Precision | None = "auto", dtype: str | mx.Dtype | None = None) -> Precision:
-    """``precision`` (auto/exact/fast) and an optional activation ``dtype`` -> :class:`Precision`.
+    """``precision`` (auto/exact/fast/q4/q3) and an optional activation ``dtype`` -> :class:`Precision`.
 
-    ``dtype`` only chooses the activation dtype of ``fast`` (default: :func:`fast_dtype`);
+    ``auto`` resolves to ``fast`` here (the loader's memory plan may pick a smaller tier).
+    ``dtype`` only chooses the activation dtype of the lossy precisions (default: :func:`fast_dtype`);
     ``exact`` is float32 by definition, so ``exact`` with another dtype is an error rather than
     a silent contradiction.
     """
@@ -85,7 +98,15 @@ def resolve_precision(precision: str | Precision | None = "auto", dtype: str | m
             raise ParameterError("--dtype: exact precision runs in float32; use --precision fast "
                                  "for bfloat16/float16 activations")
         return Precision("exact", mx.float32)
-    return Precision("fast", dtype if dtype is not None else fast_dtype())
+    return Precision("fast" if name == "auto" else name, dtype if dtype is not None else fast_dtype())
+
+
+def check_loadable(stored: str, precision: Precision, source: str) -> None:
+    """A directory converted to ``stored`` can run in that precision or a less exact one."""
+    if TIERS.index(precision.name) < TIERS.index(stored):
+        raise ParameterError(f"--precision {precision.name}: {source} holds {stored} weights (converted with "
+                             f"--precision {stored}), which cannot be made more exact; use --precision "
+                             f"{stored} (or auto), or convert the GGUF again with --precision {precision.name}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,8 +117,9 @@ def _is_quantized(m: nn.Module) -> bool:
     return "scales" in m and hasattr(m, "bits") and hasattr(m, "subblock")
 
 
-def _requantize_unpadded(m: nn.Module, dtype: mx.Dtype) -> None:
-    """Padded sub-block weight -> unpadded ``FAST_BITS``-bit groups of ``FAST_GROUP``, in place.
+def _requantize_module(m: nn.Module, goal: Target) -> None:
+    """A quantized module's weight -> ``goal``'s form, in place, through the one re-quantizer
+    (:func:`mlx_dgemma.tiers.requantize`, NumPy: the same numbers ``convert --precision`` writes).
 
     Works in slices along the leading axis (experts or rows), so the float32 copy that exists
     during the repack is a slice, not the whole tensor (the real embedding is 3 GB in float32).
@@ -111,41 +133,58 @@ def _requantize_unpadded(m: nn.Module, dtype: mx.Dtype) -> None:
     for i in range(0, lead, step):
         full = mx.dequantize(w[i:i + step], s[i:i + step].astype(mx.float32), b[i:i + step].astype(mx.float32),
                              group_size=m.group_size, bits=m.bits)
-        q, qs, qb = mx.quantize(unpad_subblocks(full, m.subblock), group_size=FAST_GROUP, bits=FAST_BITS)
-        qs, qb = qs.astype(dtype), qb.astype(dtype)
-        mx.eval(q, qs, qb)
-        parts.append((q, qs, qb))
+        r = requantize(np.array(unpad_subblocks(full, m.subblock)), goal)
+        parts.append((mx.array(r.weight), mx.array(r.scales), mx.array(r.biases)))
+        mx.eval(*parts[-1])
     m.weight = mx.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
     m.scales = mx.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
     m.biases = mx.concatenate([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]
-    m.bits, m.group_size, m.subblock = FAST_BITS, FAST_GROUP, 32
+    m.bits, m.group_size, m.subblock = goal.bits, goal.group_size, 32
     mx.eval(m.weight, m.scales, m.biases)
 
 
-def apply_precision(model: nn.Module, precision: Precision) -> None:
-    """Turn an exactly loaded model into ``precision``'s runtime form, in memory.
+def _goal(precision: str, path: str, m: nn.Module, specs: dict[str, QuantSpec], num_layers: int) -> Target | None:
+    spec = specs.get(path)
+    if spec is not None and spec.ggml_type:
+        width = m["weight"].shape[-1] * 32 // m.bits // (2 if m.subblock == 16 else 1)
+        return target(precision, path, spec.ggml_type, num_layers, width)
+    # no ggml type recorded: only fast's rule can be applied (padded sub-blocks are its trigger)
+    return Target(FAST_BITS, FAST_GROUP) if precision == "fast" and m.subblock != 32 else None
 
-    ``exact`` changes nothing. ``fast`` re-quantizes padded sub-block tensors, casts every
-    quantized weight's scales and biases and every float parameter to ``precision.dtype``
-    (quantized weights' packed integers are untouched).
+
+def apply_precision(model: nn.Module, precision: Precision, quantization: dict | None = None) -> None:
+    """Turn a loaded model into ``precision``'s runtime form, in memory.
+
+    ``exact`` changes nothing. The others re-quantize the weights their recipe names
+    (``mlx_dgemma.tiers.target``; ``quantization`` is config.json's section, which records each
+    weight's ggml type) unless already in that form, cast every quantized weight's scales and
+    biases (the tiers' float16 ones only to a half-precision activation dtype) and every float
+    parameter to ``precision.dtype`` (quantized weights' packed integers are untouched).
     """
     object.__setattr__(model, "precision", precision)
     model.__dict__.pop("_shared_steps", None)  # steps traced for the previous weights (StepFunction.shared)
     if precision.name == "exact":
         return
     dt = precision.dtype
+    specs = {k: QuantSpec.from_dict(v) for k, v in (quantization or {}).items() if isinstance(v, dict)}
+    layers = model.args.num_hidden_layers
     model.activation_dtype = dt
-    for _, m in model.named_modules():
+    for path, m in model.named_modules():
         if not _is_quantized(m):
             continue
-        if m.subblock != 32:
-            _requantize_unpadded(m, dt)
-        elif m["scales"].dtype != dt:
+        goal = _goal(precision.name, path, m, specs, layers)
+        if goal is not None and (m.bits, m.group_size, m.subblock) != (goal.bits, goal.group_size, 32):
+            _requantize_module(m, goal)
+        # the tiers' float16 scales stay float16 beside float32 activations (half the memory)
+        keep = precision.lossy_weights and dt == mx.float32 and m["scales"].dtype == mx.float16
+        if m["scales"].dtype != dt and not keep:
             m.scales = m["scales"].astype(dt)
             if m.get("biases") is not None:
                 m.biases = m["biases"].astype(dt)
 
     def cast(path: str, a: mx.array) -> mx.array:
+        if path.endswith((".scales", ".biases")):
+            return a  # decided above
         if mx.issubdtype(a.dtype, mx.floating) and a.dtype != dt:
             return a.astype(dt)
         return a

@@ -151,11 +151,11 @@ def test_interrupted_conversion_leaves_nothing(work, tiny_gguf, monkeypatch):
     real = source.convert_tensor
     calls = {"n": 0}
 
-    def convert_tensor(t, compact=False):
+    def convert_tensor(t, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 30:
             raise KeyboardInterrupt
-        return real(t, compact=compact)
+        return real(t, *args, **kwargs)
 
     monkeypatch.setattr(source, "convert_tensor", convert_tensor)
     assert main(["convert", str(tiny_gguf), str(work / "out" / "m")]) == 130

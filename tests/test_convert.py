@@ -76,16 +76,10 @@ def test_compact_is_smaller_and_reports_its_error(tmp_path, all_types_gguf, all_
     assert report.max_abs_error and max(report.max_abs_error.values()) > 0
     assert max(report.max_abs_error.values()) < 5e-3
     v = verify(out, all_types_gguf)
-    assert v.compact and v.ok  # lossy, held to the error bounds its conversion recorded
+    assert v.lossy and v.ok  # lossy, recomputed from the GGUF and found identical
     assert v.exact < v.checked and v.max_abs_error
     for name, err in v.max_abs_error.items():  # and the converter's own report agrees
         assert err == pytest.approx(report.max_abs_error[name], rel=1e-6, abs=1e-9)
-    rec = json.loads((out / "conversion_report.json").read_text())
-    worst = max(rec["max_abs_error"], key=rec["max_abs_error"].get)
-    rec["max_abs_error"][worst] /= 2  # a tensor now over its recorded bound
-    (out / "conversion_report.json").write_text(json.dumps(rec))
-    v = verify(out, all_types_gguf)
-    assert not v.ok and len(v.mismatches) == 1 and worst in v.mismatches[0] and "bound" in v.mismatches[0]
     assert report.by_type["Q6_K"].mlx_bpw == pytest.approx(9.0)
     assert report.by_type["Q4_K"].mlx_bpw == pytest.approx(5.0)
 
@@ -98,9 +92,9 @@ def test_cli_convert_verify_force(tmp_path, tiny_gguf, capsys):
     assert main(["convert", str(tiny_gguf), str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert main(["convert", str(tiny_gguf), str(out), "--force", "--compact"]) == 0
-    assert json.loads((out / "config.json").read_text())["mlx_dgemma"]["weights"] == "compact"
+    assert json.loads((out / "config.json").read_text())["mlx_dgemma"]["weights"] == "fast"  # its alias
     assert main(["verify", str(out), str(tiny_gguf)]) == 0
-    assert "--compact directory" in capsys.readouterr().out
+    assert "a fast directory" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir()] == ["cli"]
 
 

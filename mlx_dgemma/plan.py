@@ -1,0 +1,161 @@
+"""A memory plan before loading: what each precision needs, and what this device can give.
+
+For every precision: the weights (priced from the tensor inventory alone by
+:func:`mlx_dgemma.tiers.weight_bytes`: no weight is read), the KV cache for the requested
+context, and the working memory of a step (the canvas's logits, self-conditioning, attention)
+from :mod:`mlx_dgemma.memory`; plus what loading itself holds at its peak (a tier made at load
+time from an exact *directory* holds the exact weights first; from a GGUF it is re-quantized
+tensor by tensor). Compared with the device's budget (:func:`mlx_dgemma.memory.device_budget`)
+or a user's ``--memory-limit``.
+
+``auto`` picks the most exact form that fits, starting at ``fast`` (``exact``'s float32 is for
+verification and parity, not for running); a precision that does not fit is refused before any
+weight is read, with one line naming what would fit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import MemoryBudgetError, ParameterError
+from .memory import device_budget, estimate, gb
+from .schema import ModelArgs
+from .tiers import TIER_HELP, TIERS, TensorInfo, weight_bytes
+
+DEFAULT_CONTEXT = 4096  # tokens the plan reserves KV cache for (prompt, history and answer)
+AUTO_ORDER = ("fast", "q4", "q3")  # what auto tries, most exact first
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One precision: bytes it needs once loaded and while loading, and whether it fits."""
+
+    precision: str
+    weights_bytes: int
+    kv_bytes: int
+    working_bytes: int
+    load_peak_bytes: int  # while loading (the exact form first, for a tier made from an exact directory)
+    loadable: bool  # the stored form can become this precision (never more exact than stored)
+    fits: bool
+
+    @property
+    def needed_bytes(self) -> int:
+        return max(self.weights_bytes + self.kv_bytes + self.working_bytes, self.load_peak_bytes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every precision's needs for one model, against one budget."""
+
+    model: str
+    stored: str  # the form on disk: "gguf" for a .gguf, else the directory's precision
+    context_tokens: int
+    available_bytes: int
+    budget: str  # where the budget comes from ("Metal's recommended working set", "--memory-limit", ...)
+    rows: tuple[PlanRow, ...]
+
+    def row(self, precision: str) -> PlanRow:
+        return next(r for r in self.rows if r.precision == precision)
+
+    def best_fit(self, candidates: tuple[str, ...] = AUTO_ORDER) -> str | None:
+        """The most exact of ``candidates`` that is loadable and fits, or None."""
+        return next((r.precision for r in self.rows if r.precision in candidates and r.loadable and r.fits), None)
+
+    def choose(self, requested: str) -> str:
+        """The precision to load: ``requested``, or for ``auto`` the most exact that fits.
+        Raises :class:`MemoryBudgetError` (one line) when it does not fit."""
+        if requested == "auto":
+            stored = self.stored if self.stored in AUTO_ORDER else "fast"
+            choice = self.best_fit(AUTO_ORDER[AUTO_ORDER.index(stored):])
+            if choice is None:
+                raise MemoryBudgetError(self.refusal(stored))
+            return choice
+        row = self.row(requested)
+        if row.loadable and not row.fits:
+            raise MemoryBudgetError(self.refusal(requested))
+        return requested
+
+    def refusal(self, precision: str) -> str:
+        """One line: what ``precision`` needs against what is available, what would fit, and
+        on macOS how to raise the GPU's limit (and its risk)."""
+        r = self.row(precision)
+        fit = self.best_fit(tuple(p for p in TIERS if TIERS.index(p) > TIERS.index(precision)))
+        what = (f"--precision {fit} fits ({gb(self.row(fit).needed_bytes)})" if fit is not None
+                else "no precision fits")
+        line = (f"{self.model}: --precision {precision} needs about {gb(r.needed_bytes)} (weights "
+                f"{gb(r.weights_bytes)}, KV cache {gb(r.kv_bytes)} for {self.context_tokens} tokens, working "
+                f"{gb(r.working_bytes)}) but {gb(self.available_bytes)} is available ({self.budget}); {what}")
+        if sys.platform == "darwin" and "Metal" in self.budget:
+            mb = math.ceil((r.needed_bytes + (1 << 30)) / 2**20)
+            line += (f"; or raise the GPU's limit with `sudo sysctl iogpu.wired_limit_mb={mb}` (until reboot; "
+                     "it leaves less memory to macOS and other apps, too high a value can freeze the Mac)")
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "stored": self.stored, "context_tokens": self.context_tokens,
+                "available_bytes": self.available_bytes, "budget": self.budget,
+                "auto": self.best_fit(), "precisions": [{**asdict(r), "needed_bytes": r.needed_bytes,
+                                                         "help": TIER_HELP[r.precision]} for r in self.rows]}
+
+    def table(self) -> list[str]:
+        lines = [f"{self.model} (stored: {self.stored}); budget {gb(self.available_bytes)} ({self.budget}); "
+                 f"KV cache for {self.context_tokens} tokens",
+                 f"  {'precision':<10}{'weights':>10}{'KV cache':>10}{'working':>10}{'needed':>10}  fits"]
+        for r in self.rows:
+            fits = "yes" if r.loadable and r.fits else "no" if r.loadable else "-- (stored form is lossier)"
+            lines.append(f"  {r.precision:<10}{gb(r.weights_bytes):>10}{gb(r.kv_bytes):>10}{gb(r.working_bytes):>10}"
+                         f"{gb(r.needed_bytes):>10}  {fits}")
+        best = self.best_fit()
+        lines.append(f"  auto loads: {best}" if best else "  auto: nothing fits; see README, Which Mac")
+        return lines
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, flag: str = "--memory-limit") -> int:
+    """"14GB", "14.5G", "900MB", "16GiB" or a byte count -> bytes (GB = 1e9, GiB = 2**30)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ParameterError(f"{flag} {text!r}: expected a size such as 14GB, 14.5G or 900MB")
+    value, unit = float(m.group(1)), (m.group(2) or "b").lower()
+    mult = {"b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+            "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20,
+            "gi": 2**30, "ti": 2**40}.get(unit)
+    if mult is None or not value > 0:
+        raise ParameterError(f"{flag} {text!r}: expected a positive size such as 14GB, 14.5G or 900MB")
+    return int(value * mult)
+
+
+def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: str, *,
+              context_tokens: int = DEFAULT_CONTEXT, memory_limit: int | None = None,
+              gpu: bool | None = None) -> Plan:
+    """Price every precision for a model described by ``args`` and its tensor ``inventory``
+    (``stored``: "gguf", or a directory's precision), against ``memory_limit`` or the device."""
+    import mlx.core as mx
+
+    gpu = (mx.default_device() == mx.gpu) if gpu is None else gpu
+    act = 2 if gpu else 4  # the lossy precisions' activation dtype: bfloat16 on a GPU, float32 on the CPU
+    if memory_limit is not None:
+        available, budget = memory_limit, "--memory-limit"
+    else:
+        available, budget = device_budget()
+    layers = args.num_hidden_layers
+    from_form = "exact" if stored == "gguf" else stored
+    rows = []
+    for p in TIERS:
+        if p == "exact":
+            w, itemsize = weight_bytes(inventory, "exact", layers), 4
+        else:
+            w, itemsize = weight_bytes(inventory, p, layers, scale_bytes=act, float_bytes=act), act
+        est = estimate(args, context_tokens, new_blocks=0, dtype=mx.float32 if itemsize == 4 else mx.bfloat16)
+        loadable = TIERS.index(p) >= TIERS.index(from_form)
+        # a tier made at load time from a directory holds that directory's form first
+        peak = w if stored == "gguf" or p == from_form else max(w, weight_bytes(inventory, from_form, layers))
+        need = max(w + est.kv_bytes + est.working_bytes, peak)
+        rows.append(PlanRow(p, w, est.kv_bytes, est.working_bytes, peak, loadable, need <= available))
+    return Plan(model, stored, context_tokens, available, budget, tuple(rows))
