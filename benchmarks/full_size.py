@@ -196,6 +196,50 @@ def measure_convert(gguf: str, out: str, precision: str = "exact") -> dict:
             "dir_bytes": dir_bytes(Path(out)), "input_bytes": rep.input_bytes, "tensors": rep.tensors}
 
 
+def measure_tier_layout(gguf: str, out: str, precision: str, seed: int = 0) -> dict:
+    """``convert --precision`` of a memory tier with the re-quantizer's arithmetic (dequantizing
+    every block with gguf-py, least-squares refits) replaced by random values of the same shapes
+    and dtypes: the directory has the tier's exact layout, config and size, so its load, memory
+    and speed are the tier's; its values (and conversion_report's errors) are not. At full size
+    the real re-quantizer takes hours on a slow CPU (~3 M weights/s on a loaded 2-core machine)."""
+    from mlx_dgemma.convert import tensors
+    from mlx_dgemma.tiers import Requantized
+
+    rng = np.random.default_rng(seed)
+
+    def fake_dequantize(chunk: np.ndarray, qtype: Any) -> np.ndarray:
+        block, size = GGML_QUANT_SIZES[qtype]
+        return np.empty(chunk.size // size * block, dtype=np.float32)  # only its shape is used
+
+    def fake_requantize(w: np.ndarray, t: Any) -> Requantized:
+        lead, n = w.shape[:-1], w.shape[-1]
+        levels = (1 << t.bits) - 1
+        q = rng.integers(0, 1 << 32, (*lead, n * t.bits // 32), dtype=np.uint32)
+        s = np.full((*lead, n // t.group_size), 0.04 / levels, dtype=np.float16)
+        return Requantized(q, s, np.full_like(s, -0.02), 0.0, 0.0, 1.0)
+
+    import shutil
+
+    real_usage = shutil.disk_usage
+
+    def disk_usage(path: Any) -> Any:
+        # The converter asks for 2.5 bytes per weight (63 GB at full size, three times what any
+        # precision writes); the tiers' directories (11-14 GB) fit in what the run leaves.
+        u = real_usage(path)
+        return u._replace(free=max(u.free, 10**12))
+
+    saved = tensors.gguf_dequantize, tensors.requantize
+    tensors.gguf_dequantize, tensors.requantize = fake_dequantize, fake_requantize
+    shutil.disk_usage = disk_usage
+    try:
+        res = measure_convert(gguf, out, precision)
+    finally:
+        tensors.gguf_dequantize, tensors.requantize = saved
+        shutil.disk_usage = real_usage
+    res["impl"] = f"convert ({precision}), random values in the tier's layout"
+    return res
+
+
 def measure_verify(out: str, gguf: str) -> dict:
     from mlx_dgemma.convert.verify import verify
 
@@ -365,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     for s in ("write", "convert", "verify", "load-dir", "load-gguf", "step"):
         p.add_argument(f"--skip-{s}", action="store_true")
+    p.add_argument("--tier-layout-only", action="store_true",
+                   help="write each memory tier's directory with random values in its exact layout instead of "
+                        "running the re-quantizer (hours at full size on a slow CPU); sizes, load, memory and "
+                        "speed are the tier's")
     p.add_argument("--results", default="full_size.json",
                    help="results file in the workdir (two runs at once: give each its own)")
     p.add_argument("--redo", action="store_true", help="measure again what the results file already has")
@@ -402,8 +450,12 @@ def main(argv: list[str] | None = None) -> int:
         tiers = on_disk_tiers()
         for prec in precisions:
             if prec in tiers and not a.skip_convert and (a.redo or not tier_dir(prec).is_dir()):
-                _run("measure_convert", key=f"convert {prec}", gguf=str(gguf), out=str(tier_dir(prec)),
-                     precision=prec, **stream)
+                if a.tier_layout_only:
+                    _run("measure_tier_layout", key=f"convert {prec} (layout only)", gguf=str(gguf),
+                         out=str(tier_dir(prec)), precision=prec, **stream)
+                else:
+                    _run("measure_convert", key=f"convert {prec}", gguf=str(gguf), out=str(tier_dir(prec)),
+                         precision=prec, **stream)
                 save()
             own = tier_dir(prec) if prec in tiers else out  # a tier loads from its own directory
             for kind, path, skip in (("dir", own, a.skip_load_dir), ("gguf", gguf, a.skip_load_gguf)):

@@ -123,3 +123,24 @@ def test_isolated_stops_a_child_below_the_memory_floor():
     assert time.monotonic() - t0 < 30
     ok = isolated("tests.test_full_size:sleep_a_while", timeout=120, min_available_bytes=1, seconds=0)
     assert ok["impl"] == "slept" and "skipped" not in ok
+
+
+def test_tier_layout_only_writes_what_the_real_tier_conversion_writes(fs, tmp_path):
+    """--tier-layout-only replaces only the re-quantizer's values: config.json and every
+    tensor's name, dtype and shape equal a real ``convert --precision q3`` of the same file."""
+    from mlx_dgemma.convert.synthetic import write_tiny_gguf
+    from mlx_dgemma.convert.verify import open_safetensors
+
+    gguf = write_tiny_gguf(tmp_path / "t.gguf")
+    fake = fs.measure_tier_layout(str(gguf), str(tmp_path / "fake"), "q3")
+    real = fs.measure_convert(str(gguf), str(tmp_path / "real"), "q3")
+    assert fake["tensors"] == real["tensors"]
+    # the same bytes of weights (conversion_report.json differs: it records the errors)
+    assert [f.stat().st_size for f in sorted((tmp_path / "fake").glob("*.safetensors"))] == \
+        [f.stat().st_size for f in sorted((tmp_path / "real").glob("*.safetensors"))]
+    cfg = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("fake", "real")]
+    assert cfg[0] == cfg[1] and cfg[0]["mlx_dgemma"]["weights"] == "q3"
+    a, b = (open_safetensors(tmp_path / d / "model.safetensors") for d in ("fake", "real"))
+    assert {k: (v.dtype, v.shape) for k, v in a.items()} == {k: (v.dtype, v.shape) for k, v in b.items()}
+    # and the values are not the real ones (the stand-in is in place of the re-quantizer)
+    assert any(not np.array_equal(a[k], b[k]) for k in a if k.endswith(".scales"))
