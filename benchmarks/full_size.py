@@ -249,10 +249,18 @@ def measure_verify(out: str, gguf: str) -> dict:
             "checked": rep.checked, "exact": rep.exact, "ok": rep.ok, "mismatches": rep.mismatches[:5]}
 
 
-def measure_load(path: str, precision: str, prefill_tokens: int = 0, canvas: int = 0) -> dict:
+def measure_load(path: str, precision: str, prefill_tokens: int = 0, canvas: int = 0,
+                 partial: str | None = None) -> dict:
     """Load ``path`` in ``precision``: time and resident memory; then, if asked, a prefill of
     ``prefill_tokens`` random ids and one denoising step of a ``canvas``-token canvas (the
-    compiled step generation runs, self-conditioned), each with the process's peak after it."""
+    compiled step generation runs, self-conditioned), each with the process's peak after it.
+    After each phase the figures so far go to ``partial`` (JSON), so a child stopped later
+    (watchdog, timeout) still reports what it measured."""
+
+    def keep(res: dict) -> None:
+        if partial:
+            Path(partial).write_text(json.dumps(res))
+
     import mlx.core as mx
 
     from mlx_dgemma import load
@@ -264,6 +272,7 @@ def measure_load(path: str, precision: str, prefill_tokens: int = 0, canvas: int
                            "mlx_active_bytes": int(mx.get_active_memory()), "load_peak_rss_bytes": _peak()}
     print(f"  loaded {path} ({precision}) in {res['load_seconds']:.0f} s, RSS {res['resident_bytes'] / GB:.2f} GB, "
           f"peak {res['load_peak_rss_bytes'] / GB:.2f} GB", file=sys.stderr, flush=True)
+    keep(res)
     if prefill_tokens:
         rng = np.random.default_rng(0)
         V = model.args.vocab_size
@@ -275,6 +284,7 @@ def measure_load(path: str, precision: str, prefill_tokens: int = 0, canvas: int
                    prefill_peak_rss_bytes=_peak(), after_prefill_rss_bytes=_rss_now())
         print(f"  prefill {prefill_tokens} tokens: {res['prefill_seconds']:.0f} s, peak RSS "
               f"{res['prefill_peak_rss_bytes'] / GB:.2f} GB", file=sys.stderr, flush=True)
+        keep(res)
         if canvas:
             res.update(_one_step(model, cache, canvas, rng))
     return res
@@ -386,6 +396,8 @@ def table(result: dict) -> str:
             if "prefill_seconds" in r:
                 lines.append(f"{'  prefill ' + str(r['prefill_tokens']) + ' tokens':<34} {r['prefill_seconds']:>9.1f}   "
                              f"peak RSS {_gb(r['prefill_peak_rss_bytes'])}")
+            if "stopped" in r:
+                lines.append(f"{'  then':<34} {'':>9}   {r['stopped']}")
             if "step_seconds" in r:
                 lines.append(f"{'  step, canvas ' + str(r['canvas']):<34} {r['step_seconds']:>9.1f}   peak RSS "
                              f"{_gb(r['step_peak_rss_bytes'])}")
@@ -417,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="results file in the workdir (two runs at once: give each its own)")
     p.add_argument("--redo", action="store_true", help="measure again what the results file already has")
     a = p.parse_args(argv)
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:  # the children import this file as `full_size` (spawn copies sys.path)
+        sys.path.insert(0, here)
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     gguf, out, res_file = work / GGUF_NAME, work / "converted", work / a.results
@@ -471,8 +486,15 @@ def main(argv: list[str] | None = None) -> int:
                     save()
                     continue
                 step = kind == "dir" and not a.skip_step
-                _run("measure_load", key=key, path=str(path), precision=prec,
-                     prefill_tokens=a.prefill_tokens if step else 0, canvas=a.canvas if step else 0, **kw)
+                part = work / f".partial-{key.replace(' ', '-')}.json"
+                part.unlink(missing_ok=True)
+                res = _run("measure_load", key=key, path=str(path), precision=prec,
+                           prefill_tokens=a.prefill_tokens if step else 0, canvas=a.canvas if step else 0,
+                           partial=str(part), **kw)
+                if "skipped" in res and part.is_file():  # stopped part-way: keep the phases it finished
+                    rows[key] = {**json.loads(part.read_text()), "impl": key,
+                                 "stopped": res["skipped"], "wall_seconds": res["wall_seconds"]}
+                part.unlink(missing_ok=True)
                 save()
     except KeyboardInterrupt:
         print("interrupted: keeping what finished", file=sys.stderr)

@@ -144,3 +144,26 @@ def test_tier_layout_only_writes_what_the_real_tier_conversion_writes(fs, tmp_pa
     assert {k: (v.dtype, v.shape) for k, v in a.items()} == {k: (v.dtype, v.shape) for k, v in b.items()}
     # and the values are not the real ones (the stand-in is in place of the re-quantizer)
     assert any(not np.array_equal(a[k], b[k]) for k in a if k.endswith(".scales"))
+
+
+def test_the_run_on_a_tiny_model_prints_a_table_and_json(fs, tmp_path, capsys):
+    """The whole script's plumbing (children, results file, table, JSON) on a tiny model
+    standing in for the full-size file; a rerun keeps what the results file has."""
+    from mlx_dgemma.convert.synthetic import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / fs.GGUF_NAME)
+    argv = ["--workdir", str(tmp_path), "--precisions", "exact", "--prefill-tokens", "8", "--canvas", "32",
+            "--min-free-gb", "0", "--skip-write", "--skip-load-gguf"]
+    assert fs.main(argv) == 0
+    out = capsys.readouterr().out
+    table, _, js = out.partition("\n{")
+    rows = json.loads("{" + js)["rows"]
+    assert set(rows) == {"convert", "verify", "load dir exact"}
+    assert rows["verify"]["ok"] and rows["verify"]["exact"] == rows["verify"]["checked"] == 75
+    r = rows["load dir exact"]
+    assert r["resident_bytes"] > 0 and r["prefill_tokens"] == 8 and r["step_seconds"] > 0
+    assert "load dir exact" in table and "step, canvas 32" in table
+    assert not list(tmp_path.glob(".partial-*"))
+    saved = json.loads((tmp_path / "full_size.json").read_text())["rows"]
+    assert fs.main(argv) == 0  # nothing measured again
+    assert json.loads((tmp_path / "full_size.json").read_text())["rows"] == saved
