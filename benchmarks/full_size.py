@@ -226,7 +226,7 @@ def measure_tier_layout(gguf: str, out: str, precision: str, seed: int = 0) -> d
         # The converter asks for 2.5 bytes per weight (63 GB at full size, three times what any
         # precision writes); the tiers' directories (11-14 GB) fit in what the run leaves.
         u = real_usage(path)
-        return u._replace(free=max(u.free, 10**12))
+        return type(u)(u.total, u.used, max(u.free, 10**12))
 
     saved = tensors.gguf_dequantize, tensors.requantize
     tensors.gguf_dequantize, tensors.requantize = fake_dequantize, fake_requantize
