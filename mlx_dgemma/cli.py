@@ -169,8 +169,8 @@ def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precis
     from .progress import ProgressBar
 
     bar = ProgressBar("loading", unit="tensors", scale=1)
-    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name),
-                      memory_limit=memory_limit)
+    limit = {"memory_limit": memory_limit} if memory_limit is not None else {}
+    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name), **limit)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -135,9 +135,9 @@ _SLOW_CONVERT = """
 import sys, time
 from mlx_dgemma.convert import source
 real = source.convert_tensor
-def slow(t, compact=False):
+def slow(t, *args, **kwargs):
     time.sleep(0.05)
-    return real(t, compact=compact)
+    return real(t, *args, **kwargs)
 source.convert_tensor = slow
 from mlx_dgemma.cli import main
 sys.exit(main(sys.argv[1:]))

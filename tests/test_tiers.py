@@ -254,3 +254,91 @@ def test_model_that_does_not_fit_is_refused_before_loading(tiny_gguf, capsys, mo
     assert "needs about" in err[0] and "1 MB is available (--memory-limit)" in err[0]
     assert main(["generate", "--model", str(tiny_gguf), "--prompt", "hi", "--memory-limit", "lots"]) == 2
     assert "--memory-limit" in capsys.readouterr().err
+    for command in ("chat", "serve"):  # refused before the app or the server starts
+        assert main([command, "--model", str(tiny_gguf), "--memory-limit", "1MB"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "(--memory-limit)" in err[0], (command, err)
+
+
+def test_refusal_names_the_precision_that_fits(tiny_gguf, capsys):
+    p = plan_model(tiny_gguf)
+    limit = (p.row("fast").needed_bytes + p.row("q3").needed_bytes) // 2
+    code = main(["generate", "--model", str(tiny_gguf), "--prompt", "hi", "--precision", "fast",
+                 "--memory-limit", str(limit)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    fits = plan_model(tiny_gguf, memory_limit=limit).best_fit()
+    assert fits in ("q4", "q3") and f"--precision {fits} fits" in err[0]
+
+
+# -- the trained demo, K-quant copy: every tier measured on trained weights ---------------------
+
+
+@pytest.fixture(scope="module")
+def kquant_demo(tmp_path_factory) -> Path:
+    from mlx_dgemma.convert.kquant import write_kquant_copy
+    from mlx_dgemma.demo import demo_file
+
+    return write_kquant_copy(demo_file("trained"), tmp_path_factory.mktemp("kq") / "demo-q4_k_m.gguf")
+
+
+def test_our_kquant_blocks_decode_within_their_rounding_bound():
+    """Our Q4_K/Q6_K writer, read back by gguf-py's dequantizer: within half a quantization step
+    of each sub-block (the sub-block scales are themselves 6/8-bit, so a little more)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from mlx_dgemma.convert.kquant import quantize_blocks
+
+    w = np.random.default_rng(0).normal(0, 0.05, (16, 512)).astype(np.float32)
+    for qtype, levels, sub in ((T.Q4_K, 15, 32), (T.Q6_K, 63, 16)):
+        back = gguf_dequantize(quantize_blocks(w, qtype), qtype).reshape(w.shape)
+        g = w.reshape(16, -1, sub)
+        step = (g.max(-1) - np.minimum(g.min(-1), 0)) / levels if qtype == T.Q4_K else 2 * np.abs(g).max(-1) / levels
+        err = np.abs(back - w).reshape(16, -1, sub).max(-1)
+        assert (err <= 0.75 * step + 1e-7).all(), qtype.name
+
+
+def test_kquant_copy_follows_the_q4_k_m_type_rule(kquant_demo):
+    from mlx_dgemma.convert.source import GGUFSource
+
+    with GGUFSource(kquant_demo) as s:
+        want = q4_k_m_types(expected_tensors(s.args))
+        got = {t.name: t.tensor_type for t in s.reader.tensors}
+    assert got == want
+    assert {t.name for t in got.values()} >= {"Q4_K", "Q6_K"}
+    assert verify_roundtrip(kquant_demo)
+
+
+def verify_roundtrip(path: Path) -> bool:
+    """The copy converts and verifies bit-exactly like any llama.cpp file."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        convert(path, Path(d) / "m")
+        return verify(Path(d) / "m", path).ok
+
+
+def test_every_tier_on_the_trained_kquant_demo(kquant_demo):
+    """Top-1 agreement with exact on trained weights, at the positions where exact is confident.
+
+    The yardstick is independent of the tiers: how far the K-quant copy itself (llama.cpp's
+    Q4_K_M recipe, relative weight error ~0.08 on Q4_K tensors) moves the trained model from
+    its Q8_0 original. fast changes far less than that (8-bit head, rounded scales): no worse.
+    q4's weight errors are of the same order as Q4_K_M's (4-bit experts, 5/6-bit elsewhere):
+    within 5 points of the yardstick. q3's 3-bit experts have about twice Q4_K's error: at most
+    twice the yardstick's disagreement, plus 5 points."""
+    from mlx_dgemma.bench.studies import confident_agreement
+    from mlx_dgemma.demo import demo_file
+
+    original, tok = load(demo_file("trained"), precision="exact")
+    exact, _ = load(kquant_demo, precision="exact")
+    yard = confident_agreement(original, exact, tok)
+    miss = 1 - yard["step_top1_confident"]
+    assert yard["step_confident_positions"] >= 10
+    floor = {"fast": 1 - miss, "q4": 1 - miss - 0.05, "q3": 1 - 2 * miss - 0.05}
+    for p, bound in floor.items():
+        m = confident_agreement(exact, load(kquant_demo, precision=p)[0], tok)
+        for step in ("step", "sc_step"):
+            assert m[f"{step}_top1_confident"] >= bound, (p, step, m, yard)
+        assert 0 < m["step_max_rel_logit_error"], p  # it did change something (a K-quant file)

@@ -57,7 +57,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--precisions", default="exact,fast",
-                   help="runtime precisions of ours to measure, side by side (exact, fast)")
+                   help="runtime precisions of ours to measure, side by side (exact, fast, q4, q3)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activation dtype of fast (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--peers", default="mlx-vlm,mlx-vlm-q4,hf", help="comma-separated peers, or 'none'")
@@ -88,8 +88,10 @@ def run(args: argparse.Namespace) -> dict:
     if unknown:
         raise ParameterError(f"--extras: unknown study {unknown[0]!r}; choose from {', '.join(EXTRAS)} (or 'none')")
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-    if not precisions or any(p not in ("exact", "fast") for p in precisions):
-        raise ParameterError(f"--precisions: {args.precisions!r}; give a comma-separated list of exact, fast")
+    from mlx_dgemma.tiers import TIERS
+
+    if not precisions or any(p not in TIERS for p in precisions):
+        raise ParameterError(f"--precisions: {args.precisions!r}; give a comma-separated list of {', '.join(TIERS)}")
     work = Path(args.workdir)
     result: dict[str, Any] = {"machine": machine(), "dense_matmul_gflops": {}, "configs": {}}
     for dt_name, dt in (("float32", mx.float32), ("bfloat16", mx.bfloat16)):

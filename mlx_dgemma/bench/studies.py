@@ -202,3 +202,38 @@ def compact_study(gguf: Path, model_dir: Path, prompt_len: int, warmup: int, ste
     return {fmt: {"bytes": size(d), "seconds_per_step": r.get("seconds_per_step"),
                   "peak_rss_bytes": r.get("peak_rss_bytes")}
             for fmt, d, r in (("exact", model_dir, exact), ("compact", compact_dir, compact))}
+
+
+KJV_TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+            "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters.")
+
+
+def confident_agreement(exact, other, tok, text: str = KJV_TEXT) -> dict[str, float]:
+    """One decoder step of ``other`` against ``exact`` on real text (half the continuation
+    known, the rest masked), plain and self-conditioned: top-1 agreement overall and at the
+    positions where exact is confident (p >= 0.5), and the max relative logit error."""
+    ids = tok.encode(text)
+    C = exact.args.canvas_length
+    prompt = mx.array([ids[: len(ids) // 2]], dtype=mx.int32)
+    rest = ids[len(ids) // 2:][:C]
+    canvas = np.full(C, exact.args.mask_token_id, dtype=np.int32)
+    canvas[: len(rest) // 2] = rest[: len(rest) // 2]  # half the continuation known, the rest masked
+    canvas = mx.array(canvas[None])
+    out = {}
+    ce, co = exact.make_cache(), other.make_cache()
+    exact.prefill(prompt, ce)
+    other.prefill(prompt, co)
+    e1, o1 = exact.denoise(canvas, ce), other.denoise(canvas, co)
+    sc = e1 / 0.6
+    e2, o2 = exact.denoise(canvas, ce, sc), other.denoise(canvas, co, sc)
+    for name, e, o in (("step", e1, o1), ("sc_step", e2, o2)):
+        e, o = np.array(e.astype(mx.float32))[0], np.array(o.astype(mx.float32))[0]
+        p = np.exp(e - e.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        confident = p.max(-1) >= 0.5
+        same = o.argmax(-1) == e.argmax(-1)
+        out[f"{name}_top1"] = float(same.mean())
+        out[f"{name}_top1_confident"] = float(same[confident].mean()) if confident.any() else float("nan")
+        out[f"{name}_confident_positions"] = int(confident.sum())
+        out[f"{name}_max_rel_logit_error"] = float(np.abs(o - e).max() / np.abs(e).max())
+    return out
