@@ -13,7 +13,13 @@ pushed into the OOM killer). A load is started only when its estimated peak leav
 free. The GGUF is written tensor by tensor (the whole file is never in memory), to a
 ``.partial`` name renamed when complete; results go to ``WORKDIR/full_size.json`` after each
 measurement and a rerun skips what is already there (``--redo`` measures again), so an
-interrupted run keeps what finished. Needs ~17 GB (GGUF) + ~22 GB (exact directory) of disk.
+interrupted run keeps what finished (a child stopped part-way keeps the phases it finished).
+Needs ~17 GB (GGUF) + ~22 GB (exact directory) of disk, plus each tier's directory.
+
+A memory tier (``q4``, ``q3``) is converted to its own directory (``convert --precision``) and
+loaded from it. ``--tier-layout-only`` writes that directory with random values in place of the
+NumPy re-quantizer's (hours at full size on a slow CPU): the tier's exact layout and size, so
+its load, memory and step are measured, its quality is not.
 
 The tokenizer is the synthetic gemma4 vocabulary at the published size (262,144 tokens; far
 fewer merges than the published 514,906) and the file carries no chat template: neither
