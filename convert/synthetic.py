@@ -113,7 +113,7 @@ def random_blocks(qtype: T, rows: int, cols: int, std: float, rng: np.random.Gen
 
 
 # Float tensors: (mean, std) of well-conditioned random values by tensor kind.
-def _float_tensor(kind: str, ne: tuple[int, ...], spec: TinySpec, rng: np.random.Generator,
+def _float_tensor(kind: str, ne: tuple[int, ...], partial_rotary: float, rng: np.random.Generator,
                   scalars: dict[str, float]) -> np.ndarray:
     shape = tuple(reversed(ne))
     if kind in ("attn_q_norm", "attn_k_norm"):
@@ -124,7 +124,7 @@ def _float_tensor(kind: str, ne: tuple[int, ...], spec: TinySpec, rng: np.random
         return rng.normal(1.0, 0.1, shape).astype(np.float32) * 8.0
     if kind == "rope_freqs":
         f = np.full(shape, 1e30, np.float32)
-        f[: int(spec.partial_rotary * ne[0])] = 1.0
+        f[: int(partial_rotary * ne[0])] = 1.0
         return f
     if kind in ("layer_output_scale", "enc_layer_output_scale"):
         return np.full(shape, scalars[kind], np.float32)
@@ -212,21 +212,9 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec | None = None, *, types: st
     for e in expected_tensors(cfg):
         if e.name in drop:
             continue
-        kind = _kind(e.name)
-        t = qtypes[e.name]
-        rows = int(np.prod(e.ne[1:])) if len(e.ne) > 1 else 1
-        if not e.matrix:
-            w.add_tensor(e.name, _float_tensor(kind, e.ne, spec, rng, scalars))
-        elif t in (T.F32, T.F16, T.BF16):
-            dense = rng.normal(0.0, weight_std, tuple(reversed(e.ne))).astype(np.float32)
-            if t == T.BF16:
-                bits = (dense.view(np.uint32) >> 16).astype(np.uint16)
-                w.add_tensor(e.name, bits.view(np.uint8).reshape(*dense.shape[:-1], -1), raw_dtype=T.BF16)
-            else:
-                w.add_tensor(e.name, dense.astype(np.float16 if t == T.F16 else np.float32))
-        else:
-            raw = random_blocks(t, rows, e.ne[0], weight_std, rng)
-            w.add_tensor(e.name, raw.reshape(*reversed(e.ne[1:]), -1), raw_dtype=t)
+        data, raw_dtype = random_tensor(e.name, e.ne, qtypes[e.name], e.matrix, rng, weight_std=weight_std,
+                                        partial_rotary=spec.partial_rotary, scalars=scalars)
+        w.add_tensor(e.name, data, raw_dtype=raw_dtype)
     for name, arr in (extra_tensors or {}).items():
         w.add_tensor(name, arr)
     w.write_header_to_file()
@@ -234,6 +222,37 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec | None = None, *, types: st
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def random_tensor(name: str, ne: tuple[int, ...] | list[int], qtype: T, matrix: bool, rng: np.random.Generator,
+                  *, weight_std: float = 0.05, partial_rotary: float = 0.25,
+                  scalars: dict[str, float] | None = None) -> tuple[np.ndarray, T | None]:
+    """One tensor's data as a GGUF writer takes it: (array, ``raw_dtype`` or None).
+
+    ``ne`` is the GGUF shape (fastest axis first). Matrices get valid random ``qtype`` blocks
+    (or dense values) of standard deviation ``weight_std``; the other tensors (norms, router,
+    scales, RoPE factors) the well-conditioned float32 values of their kind. ``scalars`` sets the
+    decoder/encoder layer scalars (default 1.25 / 0.8, different on purpose).
+    """
+    ne = tuple(int(x) for x in ne)
+    scalars = scalars or {"layer_output_scale": 1.25, "enc_layer_output_scale": 0.8}
+    if not matrix:
+        return _float_tensor(_kind(name), ne, partial_rotary, rng, scalars), None
+    if qtype in (T.F32, T.F16, T.BF16):
+        dense = rng.normal(0.0, weight_std, tuple(reversed(ne))).astype(np.float32)
+        if qtype == T.BF16:
+            bits = (dense.view(np.uint32) >> 16).astype(np.uint16)
+            return bits.view(np.uint8).reshape(*dense.shape[:-1], -1), T.BF16
+        return dense.astype(np.float16 if qtype == T.F16 else np.float32), None
+    rows = int(np.prod(ne[1:])) if len(ne) > 1 else 1
+    raw = random_blocks(qtype, rows, ne[0], weight_std, rng)
+    return raw.reshape(*reversed(ne[1:]), -1), qtype
+
+
+def add_metadata(w: GGUFWriter, key: str, value) -> None:
+    """Add one metadata value with the type gguf-py's writer gives it (bool, uint32, float32,
+    string, array)."""
+    _add_kv(w, key, value)
 
 
 def _add_kv(w: GGUFWriter, key: str, value) -> None:

@@ -50,12 +50,25 @@ def _child(conn: Any, fn_name: str, kwargs: dict, timeout: float) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def isolated(fn_name: str, timeout: float | None = None, **kwargs: Any) -> dict:
+def _available_bytes() -> int | None:
+    """The machine's available memory (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def isolated(fn_name: str, timeout: float | None = None, min_available_bytes: int | None = None,
+             **kwargs: Any) -> dict:
     """Run one measurement in a fresh process: clean peak memory, no interference.
 
     Polls the child: one that dies without reporting (a segfault, the OOM killer, a CUDA
     abort) is reported as such at once, and one that outlives ``timeout`` is killed, instead
-    of the parent waiting for a message that never comes. A failure comes back as a row
+    of the parent waiting for a message that never comes. With ``min_available_bytes``, a child
+    is also killed when the machine's available memory falls below it (a measurement of a
+    large model on a shared machine then costs its row, not the other processes' memory).
+    A failure comes back as a row
     ``{"impl": ..., "skipped": why}`` (plus ``"missing": module`` for a peer not installed).
     """
     import multiprocessing as mp
@@ -68,8 +81,16 @@ def isolated(fn_name: str, timeout: float | None = None, **kwargs: Any) -> dict:
     child.close()  # the parent's copy: EOF on the pipe once the child is gone
     deadline = time.monotonic() + timeout
     status, res = "error", "timed out"
+    poll = 1.0 if min_available_bytes is None else 0.2
     while time.monotonic() < deadline:
-        if parent.poll(1.0):
+        if min_available_bytes is not None:
+            avail = _available_bytes()
+            if avail is not None and avail < min_available_bytes:
+                proc.kill()
+                status, res = "error", (f"stopped: the machine's available memory fell to {avail / 1e9:.1f} GB "
+                                        f"(floor {min_available_bytes / 1e9:.1f} GB)")
+                break
+        if parent.poll(poll):
             try:
                 status, res = parent.recv()
             except EOFError:
