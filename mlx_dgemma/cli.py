@@ -436,7 +436,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     args.model = resolve_model(args.model, args.demo)
     with interrupt_after_imports():
         from .demo import DEMO_NOTICES
-        from .server.cli import main as serve_main
+        from .server import main as serve_main
     if args.demo:
         print(f"[demo] {DEMO_NOTICES['trained']}", file=sys.stderr, flush=True)
 
@@ -516,7 +516,7 @@ def add_model_commands(sub: argparse._SubParsersAction, command: str | None = No
     s.add_argument("--demo", action="store_true", help=DEMO_HELP)
     add_precision_args(s)
     if command in (None, "serve"):
-        from .server.cli import add_args as add_serve_args
+        from .server import add_args as add_serve_args
 
         add_serve_args(s)
     s.set_defaults(func=_cmd_serve)

@@ -202,58 +202,40 @@ def kernel_cache() -> KernelCache:
 
 
 # --------------------------------------------------------------------------------------------
-# which precision of a model fits. Today's estimate; the memory-tiers plan (`mlx-dgemma plan`)
-# is meant to replace the body of `precision_fit` (one place).
+# which precision of a model fits: the loader's own memory plan (`mlx-dgemma plan`)
 
 FIT_PROMPT_TOKENS = 512  # the memory-tiers issue's reference context: 512 cached tokens, one canvas
 
 
 @dataclass(frozen=True)
 class PrecisionFit:
-    precision: str  # "exact (float32)", "fast (bfloat16)"
+    precision: str  # "exact", "fast", "q4", "q3"
     needed_bytes: int
-    fits: bool | None  # None: the memory available is unknown
-    approximate: bool  # the weights' size is an upper bound (fast) or a lower one (a .gguf)
+    fits: bool | None  # None: the memory available is unknown; False also where the stored form is lossier
 
 
 @dataclass(frozen=True)
 class Fit:
     model: str
-    weights_bytes: int
+    weights_bytes: int  # of the form stored on disk (exact for a .gguf)
     available_bytes: int | None
     available_kind: str
     precisions: list[PrecisionFit]
 
 
-def model_weight_bytes(path: Path) -> tuple[int, bool]:
-    """(bytes of the weights, exact?): a converted directory's safetensors files, or the size of
-    a .gguf (a lower bound: the exact conversion's scales take more, ~1.3x for Q4_K_M)."""
-    if path.is_dir():
-        return sum(f.stat().st_size for f in path.glob("*.safetensors")), True
-    return path.stat().st_size, False
+def precision_fit(path: Path, memory: MemoryInfo) -> Fit:
+    """Which runtime precision of the model at ``path`` fits the memory the device may use:
+    the memory plan the loader applies (:func:`mlx_dgemma.loader.plan_model`: weights, KV cache
+    for :data:`FIT_PROMPT_TOKENS` tokens, a step's working memory, the peak while loading)
+    against ``memory``. Reads no weights."""
+    from .loader import plan_model
 
-
-def precision_fit(path: Path, args: Any, memory: MemoryInfo) -> Fit:
-    """Which runtime precision of the model at ``path`` fits the memory the device may use.
-
-    Needed = the weights (file sizes) + the KV cache and working memory of a
-    :data:`FIT_PROMPT_TOKENS`-token prompt and one canvas (``mlx_dgemma.memory.estimate``).
-    ``fast`` casts scales to its dtype and re-quantizes the padded tensors, so its weights are at
-    most the files' size (an upper bound). To be replaced by the memory-tiers plan.
-    """
-    from .memory import estimate
-    from .precision import fast_dtype
-
-    weights, exact_size = model_weight_bytes(path)
-    avail = memory.bytes
-    out = []
-    fd = fast_dtype()
-    for name, dt in (("exact", mx.float32), ("fast", fd)):
-        need = weights + estimate(args, FIT_PROMPT_TOKENS, new_blocks=1, dtype=dt).needed_bytes
-        label = f"{name} ({_dtype_name(dt)})"
-        out.append(PrecisionFit(label, need, None if avail is None else need <= avail,
-                                approximate=(name == "fast" and fd != mx.float32) or not exact_size))
-    return Fit(str(path), weights, avail, memory.kind, out)
+    plan = plan_model(path, memory.bytes, FIT_PROMPT_TOKENS)
+    stored = plan.stored if plan.stored in {r.precision for r in plan.rows} else "exact"
+    rows = [PrecisionFit(r.precision, r.needed_bytes,
+                         (r.fits if memory.bytes is not None else None) if r.loadable else False)
+            for r in plan.rows]
+    return Fit(str(path), plan.row(stored).weights_bytes, memory.bytes, memory.kind, rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -539,8 +521,7 @@ class Report:
         else:
             f = self.fit
             verdict = {True: "fits", False: "does NOT fit", None: "needs"}
-            parts = [f"{p.precision} {verdict[p.fits]} ({'~' if p.approximate else ''}"
-                     f"{_gb(p.needed_bytes)})" for p in f.precisions]
+            parts = [f"{p.precision} {verdict[p.fits]} ({_gb(p.needed_bytes)})" for p in f.precisions]
             out.append(f"fits:          {'; '.join(parts)}; {f.available_kind} "
                        f"{'unknown' if f.available_bytes is None else _gb(f.available_bytes)} "
                        f"(weights {_gb(f.weights_bytes)} + a {FIT_PROMPT_TOKENS}-token prompt and one canvas)")
@@ -618,8 +599,7 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
     """Everything ``mlx-dgemma doctor`` reports. ``perturb`` corrupts the default device's results
     before comparison (tests prove each check can fail); bad input raises before any work."""
     t0 = time.perf_counter()
-    from .loader import model_args
-    from .paths import user_path
+    from .paths import check_model_path
     from .precision import apply_precision, resolve_precision
     from .sampler import SamplerParams
 
@@ -632,16 +612,13 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
         raise ParameterError(f"doctor cases {sorted(unknown)}: expected some of {', '.join(CASES)}")
     path = None
     if model_path is not None:
-        path = user_path(model_path)
-        if not (path.is_dir() or path.is_file()):
-            raise ModelFilesError(f"--model {model_path}: no such file or directory; give a .gguf file or a "
-                                  "directory written by `mlx-dgemma convert`")
+        path = check_model_path(model_path, "--model")  # a FIFO, a device or a link loop named as such
     with prog.phase("device, memory" + (", which precision fits" if path is not None else "")):
         dev = device_info()
         mem = usable_memory()
         report = Report(dev, mem, kernel_cache(), None)
         if path is not None:
-            report.fit = precision_fit(path, model_args(path), mem)
+            report.fit = precision_fit(path, mem)
 
     def check_case(case: str, load: Callable[[str], tuple[Any, list[int], dict]], canvas: int | None) -> None:
         with prog.phase(f"{case}: loading"):

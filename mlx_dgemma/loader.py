@@ -176,20 +176,6 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
     return model, tokenizer
 
 
-def model_args(path: str | Path) -> ModelArgs:
-    """The shape of the model at ``path`` (config.json, or a .gguf's metadata); nothing loaded."""
-    from mlx_dgemma.convert import GGUFSource
-
-    p = user_path(path)
-    if p.is_dir():
-        return ModelArgs.from_config(check_model_dir(p))
-    if p.is_file():
-        with GGUFSource(p) as source:
-            return source.args
-    raise ModelFilesError(f"{p}: no such file or directory; give a .gguf file or a directory written "
-                          "by `mlx-dgemma convert`")
-
-
 # --------------------------------------------------------------------------------------------
 # The one loader of the front ends (CLI, chat app, server): --model or --demo, --precision and
 # --dtype, with the same checks and errors everywhere. Imports are lazy (nothing above is used).

@@ -118,16 +118,22 @@ def test_gpu_thresholds_are_one_table_marked_provisional(demo_outputs):
 
 
 def test_fit_says_which_precision_fits(tiny_model_dir):
-    from mlx_dgemma.model import ModelArgs
-    from mlx_dgemma.validate import check_model_dir
-
-    args = ModelArgs.from_config(check_model_dir(tiny_model_dir))
-    roomy = doctor.precision_fit(tiny_model_dir, args, doctor.MemoryInfo("available RAM", 1 << 40))
-    assert [p.fits for p in roomy.precisions] == [True, True]
-    weights = roomy.weights_bytes
-    assert all(p.needed_bytes > weights for p in roomy.precisions)  # plus the KV cache and working memory
-    tight = doctor.precision_fit(tiny_model_dir, args, doctor.MemoryInfo("available RAM", weights))
-    assert [p.fits for p in tight.precisions] == [False, False]
+    """The fit line is the loader's memory plan against the memory given: all fit with room to
+    spare, none with a byte, and between the most and least exact precision's needs only the
+    smaller ones (the tiers are smaller than exact, so such a limit exists)."""
+    roomy = doctor.precision_fit(tiny_model_dir, doctor.MemoryInfo("available RAM", 1 << 40))
+    assert [p.precision for p in roomy.precisions][:2] == ["exact", "fast"]
+    assert all(p.fits for p in roomy.precisions)
+    assert all(p.needed_bytes > roomy.weights_bytes for p in roomy.precisions if p.precision == "exact")
+    none = doctor.precision_fit(tiny_model_dir, doctor.MemoryInfo("available RAM", 1))
+    assert not any(p.fits for p in none.precisions)
+    needs = {p.precision: p.needed_bytes for p in roomy.precisions}
+    limit = (needs["exact"] + min(needs.values())) // 2
+    assert min(needs.values()) < limit < needs["exact"]
+    mid = {p.precision: p.fits for p in doctor.precision_fit(tiny_model_dir, doctor.MemoryInfo("x", limit)).precisions}
+    assert mid["exact"] is False and any(mid.values())
+    unknown = doctor.precision_fit(tiny_model_dir, doctor.MemoryInfo("available RAM", None))
+    assert all(p.fits is None for p in unknown.precisions)
 
 
 def test_gpu_memory_and_the_cuda_kernel_cache(monkeypatch, tmp_path):
