@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -152,6 +153,7 @@ def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precis
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from .distributed import size_of
     from .events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
     from .generation import stream_generate
     from .text import printable
@@ -208,7 +210,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                "steps": done.steps, "steps_per_block": list(done.steps_per_block),
                "seconds_per_step": round(done.seconds_per_step, 4),
                "tokens_per_forward": round(done.tokens_per_forward, 3),
-               "peak_memory_gb": round(done.peak_memory_bytes / 1e9, 3), "precision": done.precision}
+               "peak_memory_gb": round(done.peak_memory_bytes / 1e9, 3), "precision": done.precision,
+               "ranks": size_of(getattr(model, "group", None))}
     if args.json:
         print(json.dumps({"text": done.text, "thinking": done.thinking, "tokens": list(done.tokens), **summary}))
     else:
@@ -222,9 +225,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    from .distributed import refuse_ranks
     from .loader import check_model_choice
 
     check_model_choice(args.model, args.demo)
+    refuse_ranks("chat")
     from mlx_dgemma.tui.app import run_app
 
     from .precision import resolve_precision
@@ -256,8 +261,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from .distributed import refuse_ranks
     from .server import main as serve_main
 
+    refuse_ranks("serve")
     return serve_main(args)
 
 
@@ -347,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
+    from .distributed import launched_rank
+
+    rank, err = launched_rank(), sys.stderr
+    if rank:  # under mlx.launch rank 0 alone prints; the others' errors still reach the terminal
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
         with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C
             return int(args.func(args) or 0)
@@ -355,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # one line whatever a file put in the message (names with newlines, control bytes)
         text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(e))
-        print(f"mlx-dgemma {args.command}: error: {text}", file=sys.stderr)
+        print(f"{f'[rank {rank}] ' if rank else ''}mlx-dgemma {args.command}: error: {text}", file=err)
         return e.exit_code
     except KeyboardInterrupt as e:
         if args.debug:

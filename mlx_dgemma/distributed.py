@@ -255,3 +255,34 @@ def all_finite(x: mx.array, group: mx.distributed.Group | None) -> mx.array:
     if group is not None:
         bad = mx.distributed.all_sum(bad, group=group)
     return bad == 0
+
+
+def load_sharded_weights(model: nn.Module, files: list[Path], group: mx.distributed.Group) -> list[tuple[str, mx.array]]:
+    """Shard an unloaded ``model`` for ``group`` and read this rank's slices of its weights.
+
+    The full parameter shapes are taken before sharding (the unloaded model's arrays are lazy:
+    slicing them allocates nothing); every rank reads only its part of each sharded tensor.
+    """
+    full = {path: {k: tuple(v.shape) for k, v in m.parameters().items() if isinstance(v, mx.array)}
+            for path, m in model.named_modules()}
+    full = {p: s for p, s in full.items() if s}
+    plan = model.shard_plan(group.size(), group.rank())
+    model.shard(group)
+    return load_shards(model, files, full, plan)
+
+
+def launched_rank() -> int:
+    """This process's rank as ``mlx.launch`` (or mpirun) set it, without starting the group: the
+    command line silences ranks other than 0 before anything prints."""
+    for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(k, "").isdigit():
+            return int(os.environ[k])
+    return 0
+
+
+def refuse_ranks(command: str) -> None:
+    """One line instead of a hang: ``command`` runs in one process only."""
+    g = world()
+    if g is not None:
+        raise ParameterError(f"{command}: runs in one process, not under mlx.launch ({g.size()} ranks); "
+                             "across several Macs use `mlx-dgemma generate` (README: Several Macs)")

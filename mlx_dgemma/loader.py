@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .distributed import load_sharded_weights, world
 from .errors import ModelFilesError
 from .model import DiffusionGemma, ModelArgs
 from .paths import user_path
@@ -37,8 +38,12 @@ def _load_weights(model: nn.Module, weights: list[tuple[str, mx.array]], source:
         raise ModelFilesError(f"{source}: weights do not match config.json ({e}); convert the model again") from e
 
 
-def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[DiffusionGemma, dict]:
-    """A converted directory, loaded exactly and then put in ``precision``'s runtime form."""
+def load_dir(path: Path, precision: Precision | str = "exact",
+             group: mx.distributed.Group | None = None) -> tuple[DiffusionGemma, dict]:
+    """A converted directory, loaded exactly and then put in ``precision``'s runtime form.
+
+    With a ``group`` of several ranks (default: the launched one, ``distributed.world()``) the
+    model is sharded and each rank reads only its slices of the files."""
     config = check_model_dir(path)  # every file's keys, types, ranges and headers, before any work
     shards = model_dir_shards(path)
     try:
@@ -47,8 +52,12 @@ def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[Diffusio
         raise ModelFilesError(f"{path / 'config.json'}: does not describe a buildable model ({e}); convert "
                               "the model again") from e
     weights: list[tuple[str, mx.array]] = []
-    for f in shards:
-        weights.extend(mx.load(str(f)).items())
+    group = group or world()
+    if group is not None:
+        weights = load_sharded_weights(model, shards, group)
+    else:
+        for f in shards:
+            weights.extend(mx.load(str(f)).items())
     _load_weights(model, weights, str(path))
     mx.eval(model.parameters())
     apply_precision(model, resolve_precision(precision))
@@ -56,9 +65,12 @@ def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[Diffusio
 
 
 def load_gguf(path: Path, precision: Precision | str = "exact", compact: bool = False,
-              progress: Callable[[int, int, str], None] | None = None) -> tuple[DiffusionGemma, dict, dict]:
+              progress: Callable[[int, int, str], None] | None = None,
+              group: mx.distributed.Group | None = None) -> tuple[DiffusionGemma, dict, dict]:
     """Convert a GGUF in memory (same repack as ``convert``); returns model, config and the side
-    data (``generation_config``, ``tokenizer``, and ``chat_template`` when the GGUF has one)."""
+    data (``generation_config``, ``tokenizer``, and ``chat_template`` when the GGUF has one).
+    Under several ranks (``group``, default the launched one) each converts it whole, then
+    keeps its shard."""
     from mlx_dgemma.convert import BF16Payload, GGUFSource
 
     def report(done: int, total: int, i: int, n: int, name: str) -> None:
@@ -78,6 +90,10 @@ def load_gguf(path: Path, precision: Precision | str = "exact", compact: bool = 
         _load_weights(model, weights, str(path))
         weights.clear()
         mx.eval(model.parameters())
+        group = group or world()
+        if group is not None:
+            model.shard(group)
+            mx.eval(model.parameters())
         apply_precision(model, resolve_precision(precision))
         side = {"generation_config": source.generation_config, "tokenizer": source.tokenizer}
         if source.chat_template is not None:
