@@ -371,9 +371,9 @@ class DiffusionGemma(nn.Module):
             return self.embed_tokens(ids).astype(dtype) * mx.array(self.embed_scale, dtype=dtype)
         lo, hi = self.vocab  # each rank looks up its own ids; the others' rows are zeros
         mine = (ids >= lo) & (ids < hi)
-        rows = mx.where(mine[..., None], self.embed_tokens(mx.where(mine, ids - lo, 0)), 0.0)
-        rows = mx.distributed.all_sum(rows, group=self.group)
-        return rows.astype(dtype) * mx.array(self.embed_scale, dtype=dtype)
+        rows = mx.where(mine[..., None], self.embed_tokens(mx.where(mine, ids - lo, 0)), 0.0).astype(dtype)
+        rows = mx.distributed.all_sum(rows, group=self.group)  # adds zeros: exact in any dtype
+        return rows * mx.array(self.embed_scale, dtype=dtype)
 
     def make_cache(self) -> KVCache:
         return KVCache(self.args)
