@@ -101,17 +101,14 @@ def param_slices(module: nn.Module, split: Split, shapes: dict[str, tuple[int, .
             continue
         pad = 2 if getattr(module, "subblock", 32) == 16 else 1
         gs, bits = module.group_size, module.bits
-        per = {"weight": bits, "scales": None, "biases": None}
         rs: list[Range] = []
         for lo, hi in split.ranges:
             a, b = lo * pad, hi * pad  # stored columns
             if a % gs or b % gs:
                 raise ParameterError(f"a split at feature {lo}..{hi} cuts a quantization group of {gs}; "
                                      "run with a number of ranks that divides the layer into whole groups")
-            if name in per and per[name] is not None:
-                rs.append((a * bits // 32, b * bits // 32))
-            else:
-                rs.append((a // gs, b // gs))
+            # packed weight: 32-bit words of 32 / bits columns; scales and biases: one per group
+            rs.append((a * bits // 32, b * bits // 32) if name == "weight" else (a // gs, b // gs))
         out[name] = (len(shape) - 1, rs)
     return out
 
@@ -152,7 +149,7 @@ def _header(path: Path) -> tuple[dict, int]:
 
 
 def read_sliced(path: Path, wanted: dict[str, tuple[int, list[Range]] | None]) -> dict[str, mx.array]:
-    """Tensors of one safetensors file: whole (``None``) or only the given ranges along an axis.
+    """Tensors of one safetensors file: whole (absent or ``None``) or only the given ranges along an axis.
 
     The file is memory-mapped and only the slice is copied out, so a rank's memory holds its
     slices, never a whole sharded tensor (a row split reads only its rows; a column split
@@ -163,7 +160,7 @@ def read_sliced(path: Path, wanted: dict[str, tuple[int, list[Range]] | None]) -
     out: dict[str, mx.array] = {}
     try:
         for name, info in header.items():
-            if name == "__metadata__" or name not in wanted:
+            if name == "__metadata__":
                 continue
             dt = _ST_DTYPES.get(info["dtype"])
             if dt is None:
@@ -171,7 +168,7 @@ def read_sliced(path: Path, wanted: dict[str, tuple[int, list[Range]] | None]) -
                                       "model holds; convert the model again")
             a, b = info["data_offsets"]
             arr = mm[start + a:start + b].view(dt).reshape(info["shape"])
-            spec = wanted[name]
+            spec = wanted.get(name)  # a tensor the model lacks is read too: the strict load names it
             arr = np.array(arr) if spec is None else take(arr, spec[0], spec[1])
             m = mx.array(arr)
             out[name] = m.view(mx.bfloat16) if info["dtype"] == "BF16" else m

@@ -344,8 +344,11 @@ class DiffusionGemma(nn.Module):
         parameters are sliced in place (an unloaded model's lazy ones cost nothing, so the
         loader shards first and then reads only the slices).
         """
+        if self.group is not None:
+            raise ParameterError("the model is already sharded; load it again to shard it differently")
         ranks, rank = group.size(), group.rank()
         plan = self.shard_plan(ranks, rank)
+        self.__dict__.pop("_shared_steps", None)  # steps traced for the whole model (StepFunction.shared)
         modules = dict(self.named_modules())
         for path, split in plan.items():
             shard_module(modules[path], split)
