@@ -225,11 +225,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from .distributed import refuse_ranks
     from .loader import check_model_choice
 
     check_model_choice(args.model, args.demo)
-    refuse_ranks("chat")
     from mlx_dgemma.tui.app import run_app
 
     from .precision import resolve_precision
@@ -261,10 +259,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .distributed import refuse_ranks
     from .server import main as serve_main
 
-    refuse_ranks("serve")
     return serve_main(args)
 
 
@@ -354,12 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .distributed import launched_rank
+    from .distributed import launched_rank, refuse_ranks
 
     rank, err = launched_rank(), sys.stderr
     if rank:  # under mlx.launch rank 0 alone prints; the others' errors still reach the terminal
         sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
+        if args.command in ("chat", "serve"):  # one process only (README: Several Macs)
+            refuse_ranks(args.command)
         with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C
             return int(args.func(args) or 0)
     except DGemmaError as e:
