@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -153,7 +152,6 @@ def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precis
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .distributed import size_of
     from .events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
     from .generation import stream_generate
     from .text import printable
@@ -211,7 +209,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                "seconds_per_step": round(done.seconds_per_step, 4),
                "tokens_per_forward": round(done.tokens_per_forward, 3),
                "peak_memory_gb": round(done.peak_memory_bytes / 1e9, 3), "precision": done.precision,
-               "ranks": size_of(getattr(model, "group", None))}
+               "ranks": model.ranks}
     if args.json:
         print(json.dumps({"text": done.text, "thinking": done.thinking, "tokens": list(done.tokens), **summary}))
     else:
@@ -350,14 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .distributed import launched_rank, refuse_ranks
-
-    rank, err = launched_rank(), sys.stderr
-    if rank:  # under mlx.launch rank 0 alone prints; the others' errors still reach the terminal
-        sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
-        if args.command in ("chat", "serve"):  # one process only (README: Several Macs)
-            refuse_ranks(args.command)
+        from .distributed import quiet_other_ranks
+
+        quiet_other_ranks(args.command)  # under mlx.launch rank 0 alone prints; chat and serve refuse
         with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C
             return int(args.func(args) or 0)
     except DGemmaError as e:
@@ -365,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # one line whatever a file put in the message (names with newlines, control bytes)
         text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(e))
-        print(f"{f'[rank {rank}] ' if rank else ''}mlx-dgemma {args.command}: error: {text}", file=err)
+        print(f"mlx-dgemma {args.command}: error: {text}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:
         if args.debug:

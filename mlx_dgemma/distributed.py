@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,9 +278,42 @@ def launched_rank() -> int:
     return 0
 
 
+class _ErrorLines:
+    """A rank's stderr that passes only the command's one-line errors, prefixed with the rank."""
+
+    def __init__(self, out: Any, rank: int):
+        self.out, self.rank, self.buf = out, rank, ""
+
+    def write(self, text: str) -> int:
+        self.buf += text
+        *lines, self.buf = self.buf.split("\n")
+        for line in lines:
+            if ": error: " in line:
+                self.out.write(f"[rank {self.rank}] {line}\n")
+                self.out.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def quiet_other_ranks(command: str | None) -> None:
+    """The command line under ``mlx.launch``: ranks other than 0 print nothing but their errors
+    (prefixed ``[rank N]``), and ``chat`` and ``serve``, which run in one process, refuse."""
+    rank = launched_rank()
+    if rank:
+        sys.stdout = open(os.devnull, "w")
+        sys.stderr = _ErrorLines(sys.stderr, rank)
+    if command in ("chat", "serve"):
+        refuse_ranks(command)
+
+
 def refuse_ranks(command: str) -> None:
     """One line instead of a hang: ``command`` runs in one process only."""
     g = world()
     if g is not None:
-        raise ParameterError(f"{command}: runs in one process, not under mlx.launch ({g.size()} ranks); "
+        raise ParameterError(f"{command} runs in one process, not under mlx.launch ({g.size()} ranks); "
                              "across several Macs use `mlx-dgemma generate` (README: Several Macs)")

@@ -38,12 +38,8 @@ def _load_weights(model: nn.Module, weights: list[tuple[str, mx.array]], source:
         raise ModelFilesError(f"{source}: weights do not match config.json ({e}); convert the model again") from e
 
 
-def load_dir(path: Path, precision: Precision | str = "exact",
-             group: mx.distributed.Group | None = None) -> tuple[DiffusionGemma, dict]:
-    """A converted directory, loaded exactly and then put in ``precision``'s runtime form.
-
-    With a ``group`` of several ranks (default: the launched one, ``distributed.world()``) the
-    model is sharded and each rank reads only its slices of the files."""
+def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[DiffusionGemma, dict]:
+    """A converted directory, loaded exactly and then put in ``precision``'s runtime form."""
     config = check_model_dir(path)  # every file's keys, types, ranges and headers, before any work
     shards = model_dir_shards(path)
     try:
@@ -52,7 +48,7 @@ def load_dir(path: Path, precision: Precision | str = "exact",
         raise ModelFilesError(f"{path / 'config.json'}: does not describe a buildable model ({e}); convert "
                               "the model again") from e
     weights: list[tuple[str, mx.array]] = []
-    group = group or world()
+    group = world()  # several ranks (mlx.launch): shard, and read only this rank's slices of the files
     if group is not None:
         weights = load_sharded_weights(model, shards, group)
     else:
@@ -65,12 +61,9 @@ def load_dir(path: Path, precision: Precision | str = "exact",
 
 
 def load_gguf(path: Path, precision: Precision | str = "exact", compact: bool = False,
-              progress: Callable[[int, int, str], None] | None = None,
-              group: mx.distributed.Group | None = None) -> tuple[DiffusionGemma, dict, dict]:
+              progress: Callable[[int, int, str], None] | None = None) -> tuple[DiffusionGemma, dict, dict]:
     """Convert a GGUF in memory (same repack as ``convert``); returns model, config and the side
-    data (``generation_config``, ``tokenizer``, and ``chat_template`` when the GGUF has one).
-    Under several ranks (``group``, default the launched one) each converts it whole, then
-    keeps its shard."""
+    data (``generation_config``, ``tokenizer``, and ``chat_template`` when the GGUF has one)."""
     from mlx_dgemma.convert import BF16Payload, GGUFSource
 
     def report(done: int, total: int, i: int, n: int, name: str) -> None:
@@ -89,11 +82,9 @@ def load_gguf(path: Path, precision: Precision | str = "exact", compact: bool = 
         model = build_model(config)
         _load_weights(model, weights, str(path))
         weights.clear()
-        mx.eval(model.parameters())
-        group = group or world()
-        if group is not None:
+        if (group := world()) is not None:  # several ranks: each converted the whole GGUF, keeps its slices
             model.shard(group)
-            mx.eval(model.parameters())
+        mx.eval(model.parameters())
         apply_precision(model, resolve_precision(precision))
         side = {"generation_config": source.generation_config, "tokenizer": source.tokenizer}
         if source.chat_template is not None:

@@ -305,6 +305,11 @@ class DiffusionGemma(nn.Module):
         self.group: mx.distributed.Group | None = None
         self.vocab = (0, args.vocab_size)
 
+    @property
+    def ranks(self) -> int:
+        """How many ranks share the model (1 unless :meth:`shard` split it)."""
+        return 1 if self.group is None else self.group.size()
+
     def shard_plan(self, ranks: int, rank: int) -> dict[str, Split]:
         """Which slice of each sharded module rank ``rank`` of ``ranks`` keeps (module path ->
         :class:`Split`); modules not named are replicated. Used by :meth:`shard` and by the
