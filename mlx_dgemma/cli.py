@@ -362,7 +362,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                "steps": done.steps, "steps_per_block": list(done.steps_per_block),
                "seconds_per_step": round(done.seconds_per_step, 4),
                "tokens_per_forward": round(done.tokens_per_forward, 3),
-               "peak_memory_gb": round(done.peak_memory_bytes / 1e9, 3), "precision": done.precision}
+               "peak_memory_gb": round(done.peak_memory_bytes / 1e9, 3), "precision": done.precision,
+               "ranks": model.ranks}
     if args.json:
         tokens = answer_tokens(done.tokens, params.eos_token_id)
         import json
@@ -445,6 +446,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
     from .loader import plan_model
     from .plan import parse_size
 
@@ -535,8 +538,9 @@ def add_model_commands(sub: argparse._SubParsersAction, command: str | None = No
 # --------------------------------------------------------------------------- the parser, main
 
 DESCRIPTION = """\
-Run DiffusionGemma from its GGUF files with MLX: convert, verify, generate, chat,
-serve (an OpenAI-compatible server), bench."""
+Run DiffusionGemma from its GGUF files with MLX: convert, verify, plan (which precision
+fits), generate, chat, serve (an OpenAI-compatible server), doctor (does this machine compute
+it right?), bench."""
 EPILOG = """\
 first time? the built-in demo (a tiny model trained on the KJV Bible) shows text denoising:
   mlx-dgemma chat --demo
@@ -610,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help(sys.stderr)
             return 2  # a usage error, as any missing argument is
         args = parser.parse_args(argv)
+        from .launch import quiet_other_ranks
+
+        quiet_other_ranks(args.command)  # under mlx.launch rank 0 alone prints; chat and serve refuse
         with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C
             return int(args.func(args) or 0)
     except DGemmaError as e:

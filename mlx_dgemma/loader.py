@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .distributed import load_sharded_weights, world
 from .errors import ModelFilesError
 from .model import DiffusionGemma, ModelArgs
 from .paths import check_model_choice, check_model_path, resolve_model, user_path  # noqa: F401 (re-exported)
@@ -50,8 +51,12 @@ def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[Diffusio
         raise ModelFilesError(f"{path / 'config.json'}: does not describe a buildable model ({e}); convert "
                               "the model again") from e
     weights: list[tuple[str, mx.array]] = []
-    for f in shards:
-        weights.extend(mx.load(str(f)).items())
+    group = world()  # several ranks (mlx.launch): shard, and read only this rank's slices of the files
+    if group is not None:
+        weights = load_sharded_weights(model, shards, group)
+    else:
+        for f in shards:
+            weights.extend(mx.load(str(f)).items())
     _load_weights(model, weights, str(path))
     weights.clear()
     mx.eval(model.parameters())
@@ -88,6 +93,8 @@ def load_gguf(path: Path, precision: Precision | str = "exact",
         model = build_model(config)
         _load_weights(model, weights, str(path))
         weights.clear()
+        if (group := world()) is not None:  # several ranks: each converted the whole GGUF, keeps its slices
+            model.shard(group)
         mx.eval(model.parameters())
         apply_precision(model, prec, config["quantization"])
         side = {"generation_config": source.generation_config, "tokenizer": source.tokenizer}

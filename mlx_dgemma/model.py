@@ -15,6 +15,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from .cache import KVCache, LayerCache
+from .distributed import Range, Split, even, global_softmax_stats, shard_module, vocab_range
 from .errors import ParameterError
 from .quantized import FloatEmbedding
 from .schema import ModelArgs
@@ -79,6 +80,19 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
         rope = args.rope_parameters["sliding_attention" if self.sliding else "full_attention"]
         self.rope_base = float(rope["rope_theta"])
+        self.group: mx.distributed.Group | None = None  # set by DiffusionGemma.shard
+
+    def head_splits(self, ranks: int, rank: int) -> tuple[Range, Range]:
+        """This rank's query heads and key/value heads (a key/value head is replicated on the
+        ranks sharing it when there are fewer of them than ranks)."""
+        q_lo, q_hi = even(self.n_heads, ranks, rank, "attention heads")
+        per_kv = self.n_heads // self.n_kv  # query heads per key/value head
+        if (q_hi - q_lo) % per_kv == 0:
+            return (q_lo, q_hi), (q_lo // per_kv, q_hi // per_kv)
+        if per_kv % (q_hi - q_lo) == 0:
+            return (q_lo, q_hi), (q_lo // per_kv, q_lo // per_kv + 1)
+        raise ParameterError(f"{self.n_heads} query heads over {self.n_kv} key/value heads cannot be split "
+                             f"over {ranks} ranks; run with a number of ranks that divides both")
 
     def rope(self, x: mx.array, offset: int, freqs: mx.array | None) -> mx.array:
         if freqs is None:
@@ -112,7 +126,10 @@ class Attention(nn.Module):
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # [B, L, H*D]
-        return self.o_proj(out)
+        out = self.o_proj(out)
+        if self.group is not None:  # each rank's heads give a partial sum of the projection
+            out = mx.distributed.all_sum(out, group=self.group)
+        return out
 
 
 def bounded_attention(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | str | None,
@@ -228,15 +245,20 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = nn.RMSNorm(h, eps=eps)
         self.layer_scalar = mx.ones((1,))  # decoder (canvas) pass
         self.encoder_layer_scalar = mx.ones((1,))  # encoder (prompt, committed canvas) pass
+        self.group: mx.distributed.Group | None = None  # set by DiffusionGemma.shard
 
     def __call__(self, x: mx.array, cache: LayerCache, offset: int, encode: bool,
                  freqs: mx.array | None) -> mx.array:
         r = x
         h = self.self_attn(self.input_layernorm(x), cache, offset, encode, freqs)
         h = r + self.post_attention_layernorm(h)
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        dense = self.mlp(self.pre_feedforward_layernorm(h))
         idx, w = self.router(h)
         moe = self.experts(self.pre_feedforward_layernorm_2(h), idx, w)
+        if self.group is not None:  # both branches' partial sums in one all-reduce: [B, L, 2H]
+            both = mx.distributed.all_sum(mx.concatenate([dense, moe], axis=-1), group=self.group)
+            dense, moe = both[..., : dense.shape[-1]], both[..., dense.shape[-1]:]
+        dense = self.post_feedforward_layernorm_1(dense)
         moe = self.post_feedforward_layernorm_2(moe)
         h = h + self.post_feedforward_layernorm(dense + moe)
         scalar = self.encoder_layer_scalar if encode else self.layer_scalar
@@ -252,11 +274,15 @@ class SelfConditioning(nn.Module):
         self.pre_norm = nn.RMSNorm(args.hidden_size, eps=self.eps)
         mlp = MLP(args.hidden_size, args.intermediate_size)
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.group: mx.distributed.Group | None = None  # set by DiffusionGemma.shard
 
     def __call__(self, embeds: mx.array, soft: mx.array | None) -> mx.array:
         if soft is not None:  # a zero signal contributes exactly zero (step 1)
             n = self.pre_norm(soft)
-            embeds = embeds + self.down_proj(_gelu(self.gate_proj(n)) * self.up_proj(n))
+            y = self.down_proj(_gelu(self.gate_proj(n)) * self.up_proj(n))
+            if self.group is not None:
+                y = mx.distributed.all_sum(y, group=self.group)
+            embeds = embeds + y
         return rms_norm(embeds, self.eps)
 
 
@@ -275,6 +301,71 @@ class DiffusionGemma(nn.Module):
         # The activation dtype of prefill/denoise when none is passed: float32 (exact); the
         # loader's runtime precision sets it (``mlx_dgemma.precision``). Not a parameter.
         self.activation_dtype = mx.float32
+        # Tensor parallelism (``shard``): the group, and this rank's token ids [lo, hi).
+        self.group: mx.distributed.Group | None = None
+        self.vocab = (0, args.vocab_size)
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks share the model (1 unless :meth:`shard` split it)."""
+        return 1 if self.group is None else self.group.size()
+
+    def shard_plan(self, ranks: int, rank: int) -> dict[str, Split]:
+        """Which slice of each sharded module rank ``rank`` of ``ranks`` keeps (module path ->
+        :class:`Split`); modules not named are replicated. Used by :meth:`shard` and by the
+        loader, which reads only these slices from disk."""
+        a = self.args
+        plan: dict[str, Split] = {"embed_tokens": Split("out", (vocab_range(a.vocab_size, ranks, rank),))}
+
+        def mlp(prefix: str, hidden: int) -> None:
+            lo, hi = even(hidden, ranks, rank, f"{prefix} hidden size")
+            for name in ("gate_proj", "up_proj"):
+                plan[f"{prefix}.{name}"] = Split("out", ((lo, hi),))
+            plan[f"{prefix}.down_proj"] = Split("in", ((lo, hi),))
+
+        mlp("self_conditioning", a.intermediate_size)
+        for i, layer in enumerate(self.layers):
+            att = layer.self_attn
+            (q_lo, q_hi), (kv_lo, kv_hi) = att.head_splits(ranks, rank)
+            d = att.head_dim
+            p = f"layers.{i}"
+            plan[f"{p}.self_attn.q_proj"] = Split("out", ((q_lo * d, q_hi * d),))
+            plan[f"{p}.self_attn.k_proj"] = Split("out", ((kv_lo * d, kv_hi * d),))
+            if att.sliding:
+                plan[f"{p}.self_attn.v_proj"] = Split("out", ((kv_lo * d, kv_hi * d),))
+            plan[f"{p}.self_attn.o_proj"] = Split("in", ((q_lo * d, q_hi * d),))
+            mlp(f"{p}.mlp", a.intermediate_size)
+            I = a.moe_intermediate_size
+            lo, hi = even(I, ranks, rank, "experts' hidden size")
+            plan[f"{p}.experts.gate_up_proj"] = Split("out", ((lo, hi), (I + lo, I + hi)))  # gate rows, up rows
+            plan[f"{p}.experts.down_proj"] = Split("in", ((lo, hi),))
+        return plan
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Keep this rank's slice of every layer (tensor parallelism across ``group``).
+
+        Attention heads, the dense MLPs' and every expert's hidden dimension, and the tied
+        embedding's vocabulary are split; the router, norms and scalars are replicated. The
+        parameters are sliced in place (an unloaded model's lazy ones cost nothing, so the
+        loader shards first and then reads only the slices).
+        """
+        if self.group is not None:
+            raise ParameterError("the model is already sharded; load it again to shard it differently")
+        ranks, rank = group.size(), group.rank()
+        plan = self.shard_plan(ranks, rank)
+        self.__dict__.pop("_shared_steps", None)  # steps traced for the whole model (StepFunction.shared)
+        modules = dict(self.named_modules())
+        for path, split in plan.items():
+            shard_module(modules[path], split)
+        for layer in self.layers:
+            att = layer.self_attn
+            (q_lo, q_hi), (kv_lo, kv_hi) = att.head_splits(ranks, rank)
+            att.n_heads, att.n_kv = q_hi - q_lo, kv_hi - kv_lo
+            att.group = layer.group = group
+            layer.experts.inter = self.args.moe_intermediate_size // ranks
+        self.self_conditioning.group = group
+        self.group = group
+        self.vocab = plan["embed_tokens"].ranges[0]
 
     def global_freqs(self) -> mx.array:
         """RoPE wavelengths of the global layers: base^(2i/d) times llama.cpp's factors (1 =
@@ -284,7 +375,13 @@ class DiffusionGemma(nn.Module):
         return (base ** (mx.arange(0, d, 2, dtype=mx.float32) / d)) * self.rope_freqs
 
     def embed(self, ids: mx.array, dtype: mx.Dtype) -> mx.array:
-        return self.embed_tokens(ids).astype(dtype) * mx.array(self.embed_scale, dtype=dtype)
+        if self.group is None:
+            return self.embed_tokens(ids).astype(dtype) * mx.array(self.embed_scale, dtype=dtype)
+        lo, hi = self.vocab  # each rank looks up its own ids; the others' rows are zeros
+        mine = (ids >= lo) & (ids < hi)
+        rows = mx.where(mine[..., None], self.embed_tokens(mx.where(mine, ids - lo, 0)), 0.0).astype(dtype)
+        rows = mx.distributed.all_sum(rows, group=self.group)  # adds zeros: exact in any dtype
+        return rows * mx.array(self.embed_scale, dtype=dtype)
 
     def make_cache(self) -> KVCache:
         return KVCache(self.args)
@@ -356,6 +453,8 @@ class DiffusionGemma(nn.Module):
 
     def soft_embeddings(self, logits: mx.array, dtype: mx.Dtype, top_k: int | None = None) -> mx.array:
         """softmax(logits) @ E * sqrt(hidden), from the quantized embedding directly."""
+        if self.group is not None:
+            return self._sharded_soft_embeddings(logits, dtype, top_k)
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         if top_k is None:
             soft = self.embed_tokens.soft_lookup(probs.astype(dtype))
@@ -367,7 +466,36 @@ class DiffusionGemma(nn.Module):
             soft = (p.astype(dtype)[..., None] * rows).sum(axis=-2)
         return soft * mx.array(self.embed_scale, dtype=dtype)
 
+    def _sharded_soft_embeddings(self, logits: mx.array, dtype: mx.Dtype, top_k: int | None) -> mx.array:
+        """``soft_embeddings`` with the vocabulary split: ``logits`` are this rank's columns."""
+        g, (lo, hi) = self.group, self.vocab
+        x = logits.astype(mx.float32)
+        m, s = global_softmax_stats(x, g)
+        probs = mx.exp(x - m) / s  # this rank's columns of the global softmax
+        if top_k is None:
+            soft = mx.distributed.all_sum(self.embed_tokens.soft_lookup(probs.astype(dtype)), group=g)
+            return soft * mx.array(self.embed_scale, dtype=dtype)
+        k = min(top_k, self.args.vocab_size // g.size())  # the same on every rank (all_gather needs it)
+        if k * g.size() < top_k:
+            raise ParameterError(f"sc_top_k = {top_k}: at most {k * g.size()} with {g.size()} ranks")
+        idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]  # [B, C, k] this rank's best
+        p = mx.take_along_axis(probs, idx, axis=-1)
+        cand_p = mx.distributed.all_gather(p[None], group=g)  # [R, B, C, k]
+        cand_i = mx.distributed.all_gather((idx + lo)[None], group=g)
+        cand_p = mx.moveaxis(cand_p, 0, -2).flatten(-2)  # [B, C, R*k]
+        cand_i = mx.moveaxis(cand_i, 0, -2).flatten(-2)
+        best = mx.argpartition(-cand_p, kth=top_k - 1, axis=-1)[..., :top_k]  # the global top k
+        p = mx.take_along_axis(cand_p, best, axis=-1)
+        ids = mx.take_along_axis(cand_i, best, axis=-1)
+        p = p / p.sum(axis=-1, keepdims=True)
+        mine = (ids >= lo) & (ids < hi)
+        rows = self.embed_tokens(mx.where(mine, ids - lo, 0)).astype(dtype)  # [B, C, k, H]
+        w = mx.where(mine, p, 0.0).astype(dtype)
+        soft = mx.distributed.all_sum((w[..., None] * rows).sum(axis=-2), group=g)
+        return soft * mx.array(self.embed_scale, dtype=dtype)
+
     def logits(self, h: mx.array) -> mx.array:
+        """The output head after the softcap (a sharded model: its own vocabulary's columns)."""
         x = self.embed_tokens.as_linear(h).astype(mx.float32)
         cap = self.args.final_logit_softcapping
         return mx.tanh(x / cap) * cap

@@ -13,6 +13,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .cache import KVCache
+from .distributed import all_finite, sharded_sample_step
 from .model import DiffusionGemma
 from .sampler import SamplerParams, initial_history, sample_step, stop_update
 
@@ -70,11 +71,16 @@ class StepFunction:
             # a real cache becomes a view over the traced inputs; anything else (test doubles) passes as is
             cache = self._cache.view(list(state), offset) if isinstance(self._cache, KVCache) else self._cache
             logits = model.denoise(canvas, cache, sc if with_sc else None, dtype=dtype, sc_top_k=p.sc_top_k)
-            out = sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key)
+            group = getattr(model, "group", None)
+            if group is None:
+                out = sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key)
+            else:  # logits hold this rank's vocabulary: the sampler's reductions go across ranks
+                out = sharded_sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key,
+                                          model.vocab[0], group)
             stop, new_history = stop_update(history, out["argmax"], out["entropy"], p.stability_threshold,
                                             p.confidence_threshold)
             # one flag in the same graph (no extra sync): NaN/Inf logits become an error, not a blank answer
-            finite = mx.all(mx.isfinite(logits))
+            finite = mx.all(mx.isfinite(logits)) if group is None else all_finite(logits, group)
             return (out["canvas"], out["argmax"], out["accepted"], out["entropy"], out["processed"], stop,
                     new_history, finite)
 
