@@ -315,8 +315,9 @@ def main(args: argparse.Namespace) -> int:
         writer.result["interrupted"] = True
         writer(writer.result)
         print(table(writer.result))
-        print(f"mlx-dgemma bench: interrupted; kept the {_finished_rows(writer.result)} finished row(s) in "
-              f"{plan.json}", file=sys.stderr)
+        rows = _finished_rows(writer.result)
+        kept = f"the {rows} finished row(s)" if rows else "the matmul probe (no row had finished)"
+        print(f"mlx-dgemma bench: interrupted; kept {kept} in {plan.json}", file=sys.stderr)
         return code
     writer(result)
     print(table(result))
