@@ -8,7 +8,8 @@ weights, with peers measured in the same run on the same weights:
 
 Also: our FLOP/s against MLX's own dense matmul throughput, a per-part breakdown of a step,
 the MoE alternatives, sparse self-conditioning and the exact vs compact formats. Prints a
-table and writes JSON.
+table and writes JSON. Every flag is checked before anything is measured; each finished row
+is logged and written to the JSON at once, and Ctrl+C keeps and prints what had finished.
 
 The package, one module per part: ``configs`` (the random models), ``isolate`` (one
 measurement per process), ``measure`` (the table's rows: ours and the peers), ``peers`` (the
@@ -45,10 +46,10 @@ from .studies import (QUALITY_PROMPTS, block_agreement, breakdown, compact_study
 from .timing import log
 
 # The names `isolated` resolves a bare target against, and what benchmarks/ and tests import.
-__all__ = ["CONFIGS", "CHILD_TIMEOUT", "EXTRAS", "PEERS", "Plan", "add_args", "block_agreement", "breakdown", "build",
-           "check_args", "compact_study", "dense_matmul_gflops", "isolated", "logit_agreement", "machine", "main", "measure_hf",
-           "measure_mlx_vlm", "measure_ours", "moe_alternatives", "quality", "random_inputs", "run",
-           "sc_top_k_study", "step_flops", "table"]
+__all__ = ["CONFIGS", "CHILD_TIMEOUT", "EXTRAS", "PEERS", "Plan", "add_args", "block_agreement", "breakdown",
+           "build", "check_args", "compact_study", "dense_matmul_gflops", "isolated", "logit_agreement", "machine",
+           "main", "measure_hf", "measure_mlx_vlm", "measure_ours", "moe_alternatives", "quality", "random_inputs",
+           "run", "sc_top_k_study", "step_flops", "table"]
 
 
 PEERS = ("mlx-vlm", "mlx-vlm-q4", "hf")
