@@ -120,12 +120,16 @@ class ChatSession:
         afterwards only the new turn's markup, since the cache already holds the conversation
         (committed blocks included, pads after EOS too, as transformers' cache would)."""
         self.messages.append({"role": "user", "content": user})
-        if not self.history:
-            text = render_chat(self.messages, self.tokenizer.chat_template, enable_thinking=self.enable_thinking)
-        else:
-            text = "\n" + render_chat([{"role": "user", "content": user}], CONTINUATION_TEMPLATE,
-                                       enable_thinking=self.enable_thinking)
-        return self.tokenizer.encode(text)
+        try:
+            if not self.history:
+                text = render_chat(self.messages, self.tokenizer.chat_template, enable_thinking=self.enable_thinking)
+            else:
+                text = "\n" + render_chat([{"role": "user", "content": user}], CONTINUATION_TEMPLATE,
+                                           enable_thinking=self.enable_thinking)
+            return self.tokenizer.encode(text)
+        except BaseException:  # a message refused (too long, the template failing on it) is not kept
+            self.messages.pop()
+            raise
 
     def stream(self, user: str, cancel: Callable[[], bool] | None = None, **overrides: Any) -> Iterator[Event]:
         """Answer ``user``; yields events (see :func:`stream_generate`)."""

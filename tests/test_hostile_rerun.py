@@ -203,3 +203,18 @@ def test_every_generation_rule_states_its_true_range(name):
     assert any(s in text for s in _shown(low)), (name, text)
     # sc_top_k's upper limit is the vocabulary's size, known once a model is loaded
     assert any(s in text for s in _shown(high)) or "vocabulary size" in text, (name, text)
+
+
+def test_a_refused_chat_message_is_not_kept(tiny_model_dir):
+    # before: the refused message stayed in the conversation, so every later first turn failed on it
+    from mlx_dgemma import load
+    from mlx_dgemma.events import DoneEvent
+    from mlx_dgemma.generation import ChatSession
+
+    model, tok = load(tiny_model_dir)
+    chat = ChatSession(model, tok, system="be brief")
+    with pytest.raises(ParameterError, match=r"^messages\[1\]: the user message"):
+        list(chat.stream("v" * (PROMPT_CHARS + 1)))
+    assert chat.messages == [{"role": "system", "content": "be brief"}]
+    events = list(chat.stream("hi", max_new_tokens=8, max_denoising_steps=2, seed=0))
+    assert isinstance(events[-1], DoneEvent) and [m["role"] for m in chat.messages] == ["system", "user", "assistant"]
