@@ -69,7 +69,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default="tiny,medium", help="comma-separated: tiny, medium, real-shapes")
     p.add_argument("--canvas", type=int, metavar="N",
                    help=f"override the canvas length, 1 to {CONTEXT} (e.g. 32 for real-shapes on a CPU)")
-    p.add_argument("--prompt-len", type=int, default=512, metavar="N", help="tokens in the cache before the canvas")
+    p.add_argument("--prompt-len", type=int, default=512, metavar="N", help="tokens in the cache before the canvas (default 512)")
     p.add_argument("--steps", type=int, default=3, metavar="N", help="timed steps (median reported), at least 1")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed steps before the timed ones")
     p.add_argument("--precisions", default="exact,fast",
@@ -80,12 +80,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extras", default="breakdown,quality,moe,sc,compact",
                    help="comma-separated extra studies: breakdown, quality, moe, sc, compact (or 'none')")
     p.add_argument("--quality-prompts", type=int, default=3, metavar="N",
-                   help="generations (exact and fast, same seeds) compared block by block in the quality study")
+                   help=f"generations (exact and fast, same seeds) compared block by block in the quality study, "
+                        f"1 to {len(QUALITY_PROMPTS)}")
     p.add_argument("--child-timeout", type=float, default=CHILD_TIMEOUT, metavar="SECONDS",
                    help="seconds one isolated measurement may take before it is reported as timed out")
     p.add_argument("--no-eager", action="store_true", help="skip the eager (uncompiled) step measurements")
-    p.add_argument("--workdir", default=".bench-cache", help="where the random models are written (reused)")
-    p.add_argument("--json", default="bench.json",
+    p.add_argument("--workdir", default=".bench-cache", metavar="DIR",
+                   help="where the random models are written (reused)")
+    p.add_argument("--json", default="bench.json", metavar="FILE",
                    help="write the results here (rewritten as each measurement finishes)")
 
 
