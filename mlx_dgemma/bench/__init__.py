@@ -56,8 +56,8 @@ PEERS = ("mlx-vlm", "mlx-vlm-q4", "hf")
 EXTRAS = ("breakdown", "quality", "moe", "sc", "compact")
 
 
-# The random models' context (configs.CONTEXT): a prompt and its canvas must fit in it.
 # flag: (attribute, low, high); every integer flag is checked against its range before any work.
+# A prompt and its canvas must also fit in the random models' context (configs.CONTEXT).
 INT_FLAGS = {"--canvas": ("canvas", 1, CONTEXT), "--prompt-len": ("prompt_len", 1, CONTEXT - 1),
              "--steps": ("steps", 1, 10_000), "--warmup": ("warmup", 0, 10_000),
              "--quality-prompts": ("quality_prompts", 1, len(QUALITY_PROMPTS))}
@@ -69,7 +69,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default="tiny,medium", help="comma-separated: tiny, medium, real-shapes")
     p.add_argument("--canvas", type=int, metavar="N",
                    help=f"override the canvas length, 1 to {CONTEXT} (e.g. 32 for real-shapes on a CPU)")
-    p.add_argument("--prompt-len", type=int, default=512, metavar="N", help="tokens in the cache before the canvas (default 512)")
+    p.add_argument("--prompt-len", type=int, default=512, metavar="N",
+                   help="tokens in the cache before the canvas (default 512)")
     p.add_argument("--steps", type=int, default=3, metavar="N", help="timed steps (median reported), at least 1")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed steps before the timed ones")
     p.add_argument("--precisions", default="exact,fast",
