@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
+from mlx_dgemma.errors import NonFiniteError
 from mlx_dgemma.schema import ModelArgs, generation_defaults
 
 from .errors import ConvertError
@@ -140,6 +141,10 @@ def partial_rotary_factor(rope_freqs: np.ndarray, source: str) -> float:
     pairs and leaves the rest unrotated; llama.cpp encodes the same with factors 1 and 1e30.
     """
     f = np.asarray(rope_freqs, dtype=np.float32)
+    finite = np.isfinite(f)
+    if not finite.all():  # a corrupt file, not a RoPE variant (as for every other weight)
+        raise NonFiniteError(f"{source}: tensor 'rope_freqs.weight': {f.size - int(finite.sum())} of {f.size} "
+                             "values are NaN or Inf; the file is corrupt, download it again")
     rotated = int(np.count_nonzero(f == 1.0))
     if not (np.all(f[:rotated] == 1.0) and np.all(f[rotated:] >= 1e20)):
         raise ConvertError(f"{source}: rope_freqs.weight must be 1.0 for a prefix and >= 1e20 after "

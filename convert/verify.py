@@ -114,6 +114,27 @@ def _mlx_dequant(w: np.ndarray, s: np.ndarray, b: np.ndarray, spec: QuantSpec) -
     return unpad_subblocks(np.array(out), spec.subblock)
 
 
+def _differences(got: np.ndarray, ref: np.ndarray) -> tuple[int, int, int, float]:
+    """(values that differ, NaN here but not in the GGUF, NaN in the GGUF but not here, max abs
+    error over the differing values that are not NaN); NaN on both sides counts as equal.
+    No NumPy warning: the max is taken over the numbers only."""
+    got_nan, ref_nan = np.isnan(got), np.isnan(ref)
+    neq = ~((got == ref) | (got_nan & ref_nan))
+    if not neq.any():
+        return 0, 0, 0, 0.0
+    nan_here, nan_gguf = got_nan & ~ref_nan, ref_nan & ~got_nan
+    numbers = neq & ~nan_here & ~nan_gguf
+    with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf of opposite signs is Inf, not a warning
+        err = float(np.abs(got[numbers] - ref[numbers]).max()) if numbers.any() else 0.0
+    return int(neq.sum()), int(nan_here.sum()), int(nan_gguf.sum()), err
+
+
+def _nan_text(nan_here: int, nan_gguf: int) -> str:
+    parts = ([f"{nan_here} NaN here where the GGUF has a number"] if nan_here else []) + \
+            ([f"{nan_gguf} NaN in the GGUF where this directory has a number"] if nan_gguf else [])
+    return ", ".join(parts)
+
+
 def verify(model_dir: str | Path, gguf_path: str | Path,
            progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
     """Compare every tensor of ``model_dir`` with the GGUF it was converted from."""
@@ -194,7 +215,7 @@ def _compare(config: dict, weights: dict[str, np.ndarray], source: GGUFSource, m
             continue
         raw2 = raw.reshape(rows, -1)
         step = max(1, _CHUNK_ELEMENTS // width)
-        bad, err = 0, 0.0
+        bad, err, nan_here, nan_gguf = 0, 0.0, 0, 0
         for r0 in range(0, rows, step):
             ref = gguf_dequantize(raw2[r0:r0 + step], t.tensor_type).reshape(-1, width)
             if spec is None:
@@ -203,15 +224,21 @@ def _compare(config: dict, weights: dict[str, np.ndarray], source: GGUFSource, m
                     else got.astype(np.float32)
             else:
                 got = _mlx_dequant(w[r0:r0 + step], s[r0:r0 + step], b[r0:r0 + step], spec)
-            neq = ~((got == ref) | (np.isnan(got) & np.isnan(ref)))
-            bad += int(neq.sum())
-            if neq.any():
-                err = max(err, float(np.nanmax(np.abs(got - ref))))
+            d = _differences(got, ref)
+            bad, err = bad + d[0], max(err, d[3])
+            nan_here, nan_gguf = nan_here + d[1], nan_gguf + d[2]
         report.checked += 1
         if bad:
             report.max_abs_error[t.name] = err
-            report.mismatches.append(f"{t.name}: {bad} of {rows * width} values differ "
-                                     f"(max abs error {err:.3g})")
+            if nan_here or nan_gguf:  # NaN is never an error of 0
+                report.max_abs_error[t.name] = float("nan")
+                others = bad - nan_here - nan_gguf
+                report.mismatches.append(f"{t.name}: {bad} of {rows * width} values differ "
+                                         f"({_nan_text(nan_here, nan_gguf)}"
+                                         f"{f'; max abs error of the other {others} {err:.3g}' if others else ''})")
+            else:
+                report.mismatches.append(f"{t.name}: {bad} of {rows * width} values differ "
+                                         f"(max abs error {err:.3g})")
         else:
             report.exact += 1
         if progress:

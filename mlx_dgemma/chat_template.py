@@ -39,7 +39,12 @@ def _raise(message: str):
 # Rendering budget: a template is data from a downloaded file, so it runs sandboxed and bounded
 # (a normal chat prompt renders in milliseconds and a few loop iterations per message).
 RENDER_SECONDS = 2.0
+# Characters a template may write besides the messages' own text (which it may write twice).
 RENDER_CHARS = 4_000_000
+# The messages' text, all together: checked before rendering, so that a prompt too long is
+# named as such and not blamed on the template (English runs ~4 characters a token: 4M
+# characters are about four times the published model's context of 262,144 tokens).
+PROMPT_CHARS = 4_000_000
 RENDER_ITERATIONS = 1_000_000  # items of every range() and repeated sequence, summed
 _budget = threading.local()
 
@@ -114,8 +119,39 @@ def compile_template(template: str):
     return env.from_string(template)
 
 
-def _render(template: str, **variables: Any) -> str:
-    """Render within the budget; template errors become one-line ParameterErrors."""
+def _text_chars(content: Any) -> int:
+    """Characters of text in a message's content: a string, or (multimodal) lists and dicts of them."""
+    total, stack = 0, [content]
+    while stack:  # iterative: a deeply nested content cannot exhaust the stack
+        x = stack.pop()
+        if isinstance(x, str):
+            total += len(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):  # a part: {"type": "text", "text": ...}; its labels are not text
+            stack.extend(v for k, v in x.items() if k in ("text", "content"))
+    return total
+
+
+def check_prompt_length(messages: list[dict[str, Any]]) -> int:
+    """The messages' text against :data:`PROMPT_CHARS`; the error names the longest message.
+    Returns the characters of text in all."""
+    sizes = [_text_chars(m.get("content")) for m in messages]
+    total = sum(sizes)
+    if total > PROMPT_CHARS:
+        i = max(range(len(sizes)), key=sizes.__getitem__)
+        role = messages[i].get("role")
+        role = role if isinstance(role, str) and role.isidentifier() else "the"
+        whole = "" if sizes[i] == total else f" ({total:,} in all)"
+        raise ParameterError(f"messages[{i}]: the {role} message has {sizes[i]:,} characters{whole}, more than a "
+                             f"prompt may have ({PROMPT_CHARS:,}); shorten it",
+                             param="messages", rule=f"at most {PROMPT_CHARS:,} characters of text")
+    return total
+
+
+def _render(template: str, text_chars: int = 0, **variables: Any) -> str:
+    """Render within the budget (``RENDER_CHARS`` plus twice the messages' ``text_chars``);
+    template errors become one-line ParameterErrors."""
     from jinja2 import TemplateError
 
     try:
@@ -126,12 +162,12 @@ def _render(template: str, **variables: Any) -> str:
                              "remove it") from None
     _budget.state = [time.perf_counter() + RENDER_SECONDS, 0]
     out: list[str] = []
-    size = 0
+    size, limit = 0, RENDER_CHARS + 2 * text_chars
     try:
         for chunk in compiled.generate(**variables):
             size += len(chunk)
-            if size > RENDER_CHARS:
-                _over_budget(f"more than {RENDER_CHARS:,} characters of output")
+            if size > limit:
+                _over_budget(f"more than {limit:,} characters of output")
             out.append(chunk)
             _tick()
     except ParameterError:
@@ -159,7 +195,8 @@ def render_chat(messages: list[dict[str, Any]], template: str | None = None, *,
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ParameterError(f"messages[{i}]: expected a dict with 'role' and 'content'")
-    return _render(template or DEFAULT_TEMPLATE,
+    text_chars = check_prompt_length(messages)  # before rendering: a long prompt is not the template's fault
+    return _render(template or DEFAULT_TEMPLATE, text_chars,
                    messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
                    enable_thinking=enable_thinking, bos_token=bos_token, eos_token=eos_token, **extra)
 

@@ -33,16 +33,18 @@ GENERATION_RULES: dict[str, tuple[str, Any, Any, str]] = {  # name: (kind, low, 
     "max_denoising_steps": ("int", 1, 10_000, "an integer in [1, 10000]"),
     "t_min": ("float", *_TEMPERATURE, "a temperature in [0.001, 1000]"),
     "t_max": ("float", *_TEMPERATURE, "a temperature in [0.001, 1000]"),
-    "entropy_bound": ("float", 1e-12, 1e9, "a number > 0 (finite)"),
+    "entropy_bound": ("float", 1e-12, 1e9, "a number in [1e-12, 1e9]"),
     # the stopping rule keeps stability_threshold canvases on the device: bounded like the steps
     "stability_threshold": ("int", 0, 10_000, "an integer in [0, 10000]"),
-    "confidence_threshold": ("float", 1e-12, 1e9, "a number > 0 (finite)"),
+    "confidence_threshold": ("float", 1e-12, 1e9, "a number in [1e-12, 1e9]"),
     "max_new_tokens": ("int", 1, 10_000_000, "an integer in [1, 10000000]"),
-    "pad_token_id": ("int", 0, 2**31 - 1, "a token id >= 0"),
-    "bos_token_id": ("int", 0, 2**31 - 1, "a token id >= 0"),
-    "mask_token_id": ("int", 0, 2**31 - 1, "a token id >= 0"),
+    "pad_token_id": ("int", 0, 2**31 - 1, "a token id in [0, 2**31 - 1]"),
+    "bos_token_id": ("int", 0, 2**31 - 1, "a token id in [0, 2**31 - 1]"),
+    "mask_token_id": ("int", 0, 2**31 - 1, "a token id in [0, 2**31 - 1]"),
     "seed": ("int", 0, 2**64 - 1, "an integer in [0, 2**64 - 1]"),
-    "sc_top_k": ("int", 1, 2**31 - 1, "an integer >= 1 (leave it out for exact self-conditioning)"),
+    # sc_top_k: the vocabulary size caps it too, checked once the model is known (SamplerParams)
+    "sc_top_k": ("int", 1, 2**31 - 1, "an integer >= 1 (leave it out for exact self-conditioning), at most the "
+                 "vocabulary size"),
 }
 
 
@@ -398,6 +400,12 @@ def check_gguf_metadata(md: dict[str, Any], kinds: dict[str, tuple[str, str | No
             bad(_P + "attention.head_count_kv", f"divisors of attention.head_count = {heads}")
     if md[_P + "expert_used_count"] > md[_P + "expert_count"]:
         bad(_P + "expert_used_count", f"at most expert_count = {md[_P + 'expert_count']}")
+    ctx, canvas = md[_P + "context_length"], md.get("diffusion.canvas_length", 256)
+    if canvas >= ctx:  # a block needs the canvas and at least one prompt token in the context
+        shown = "" if "diffusion.canvas_length" in md else " (absent: the default)"
+        raise ModelFilesError(f"{source}: diffusion.canvas_length = {canvas}{shown}: expected at most {ctx - 1}, "
+                              f"below {_P}context_length = {ctx} (a canvas and its prompt must fit in the "
+                              "context); the file is not a valid DiffusionGemma GGUF")
     for key, name in _GGUF_GENERATION.items():
         if key in md:
             try:
@@ -567,6 +575,10 @@ def check_config(config: Any, source: str) -> None:
     prf = rp["full_attention"].get("partial_rotary_factor", 1.0)
     if not (_is_num(prf) and 0 < prf <= 1):
         bad("text_config.rope_parameters.full_attention.partial_rotary_factor", "a number in (0, 1]", prf)
+    canvas, ctx = config.get("canvas_length", 256), tc["max_position_embeddings"]
+    if canvas >= ctx:  # a block needs the canvas and at least one prompt token in the context
+        bad("canvas_length", f"at most {ctx - 1}, below text_config.max_position_embeddings = {ctx} (a canvas and "
+            "its prompt must fit in the context)", canvas)
     mt = config.get("mask_token_id", 4)
     if mt >= tc["vocab_size"]:
         bad("mask_token_id", f"a token id below vocab_size = {tc['vocab_size']}", mt)
@@ -655,6 +667,32 @@ def model_dir_shards(path: Path) -> list[Path]:
     return [path / f for f in present]
 
 
+def check_quantized_shapes(config: dict, stored: dict[str, tuple[Path, dict]], source: str) -> None:
+    """Each quantized weight's stored arrays agree with its ``quantization`` entry (bits and
+    group size), as ``mx.dequantize`` needs: a packed row of W uint32 words holds
+    ``W * 32 / bits`` values, which its scales and biases cover in groups of ``group_size``.
+    ``stored``: tensor name -> (shard, safetensors header entry), checked already."""
+    for module, spec in config.get("quantization", {}).items():
+        if not isinstance(spec, dict):
+            continue
+        parts = [stored.get(f"{module}.{p}") for p in ("weight", "scales", "biases")]
+        if any(x is None for x in parts):  # not stored quantized: the loader and verify name what is missing
+            continue
+        (shard, w), (_, sc), (_, b) = parts
+        bits, group = spec["bits"], spec.get("group_size", 32)
+        ws, ss = w["shape"], sc["shape"]
+        if w["dtype"] != "U32" or len(ws) < 1 or len(ws) != len(ss) or ws[:-1] != ss[:-1] or b["shape"] != ss:
+            raise ModelFilesError(f"{shard}: tensor {module + '.weight'!r} ({w['dtype']} {ws}) and its scales "
+                                  f"{ss} / biases {b['shape']} are not a quantized weight of one shape; convert "
+                                  "the model again")
+        values, covered = ws[-1] * 32 / bits, ss[-1] * group
+        if values != covered:
+            raise ModelFilesError(
+                f"{source}: quantization[{module!r}] (bits {bits}, group_size {group}) does not match the stored "
+                f"tensor {module + '.weight'!r} in {shard.name}: its {ws[-1]} uint32 words per row hold {values:g} "
+                f"values at {bits} bits, its {ss[-1]} scales cover {covered}; convert the model again")
+
+
 def check_model_dir(path: str | Path) -> dict:
     """Validate a converted directory before loading anything; returns its config."""
     path = Path(path)
@@ -669,8 +707,10 @@ def check_model_dir(path: str | Path) -> dict:
     config = read_json(path / "config.json")
     check_config(config, str(path / "config.json"))
     vocab = config["text_config"]["vocab_size"]
+    stored: dict[str, tuple[Path, dict]] = {}
     for f in model_dir_shards(path):
-        check_safetensors(f)
+        stored.update((name, (f, e)) for name, e in check_safetensors(f).items())
+    check_quantized_shapes(config, stored, str(path / "config.json"))
     check_tokenizer_data(read_json(path / "tokenizer_gguf.json"), str(path / "tokenizer_gguf.json"), vocab)
     gen = path / "generation_config.json"
     if gen.is_file():

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,190 @@ def test_isolated_reports_a_missing_peer_but_not_a_broken_import_of_ours():
     assert peer["missing"] == "mlx_vlm.models" and "pip install" in peer["skipped"]
     ours = isolated("tests.test_bench:raise_import_error", timeout=120, module="mlx_dgemma.bench.gone")
     assert "missing" not in ours and ours["skipped"].startswith("ImportError") and "pip install" not in ours["skipped"]
+
+
+# --------------------------------------------------------------------------- hostile flags (issue 24)
+
+def _no_measuring(monkeypatch):
+    """Any measurement or model build fails the test: a bad flag must be refused before them."""
+    from mlx_dgemma import bench
+
+    def measured(*a, **k):
+        raise AssertionError("measured before refusing the flag")
+
+    for name in ("dense_matmul_gflops", "build", "isolated"):
+        monkeypatch.setattr(bench, name, measured)
+
+
+@pytest.mark.parametrize("args, flag, expected", [
+    (["--canvas", "-32"], "--canvas", "[1, 65536]"),  # before: struct.error, a 24-byte GGUF left behind
+    (["--canvas", "0"], "--canvas", "[1, 65536]"),  # before: silently measured 256
+    (["--warmup", "-3"], "--warmup", "[0, 10000]"),
+    (["--steps", "0"], "--steps", "[1, 10000]"),
+    (["--prompt-len", "-1"], "--prompt-len", "[1, 65535]"),
+    (["--prompt-len", "65400"], "--prompt-len", "context of 65536"),
+    (["--quality-prompts", "0"], "--quality-prompts", "[1, 5]"),
+    (["--precisions", "exact", "--dtype", "bfloat16"], "--dtype", "fast"),  # before: "skipped: ...Error" rows
+    (["--child-timeout", "nan"], "--child-timeout", "[1, 10000000]"),  # before: exit 0, every row timed out
+    (["--child-timeout", "0"], "--child-timeout", "[1, 10000000]"),
+    (["--json", "DIR"], "--json", "is a directory"),  # before: IsADirectoryError after every measurement
+    (["--json", "nowhere/b.json"], "--json", "does not exist"),
+    (["--workdir", "FILE"], "--workdir", "not a directory"),  # before: FileExistsError
+    (["--workdir", "FILE/sub"], "--workdir", "not a directory"),
+])
+def test_bench_refuses_a_bad_flag_before_measuring(tmp_path, capsys, monkeypatch, args, flag, expected):
+    _no_measuring(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "DIR").mkdir()
+    (tmp_path / "FILE").write_text("x")
+    argv = ["bench", "--configs", "tiny", "--peers", "none", "--extras", "none"]
+    if "--workdir" not in args:
+        argv += ["--workdir", "w"]
+    if "--json" not in args:
+        argv += ["--json", "b.json"]
+    rc = cli_main(argv + args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"mlx-dgemma bench: error: {flag} ") and expected in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["DIR", "FILE"]  # nothing left behind
+    assert list((tmp_path / "DIR").iterdir()) == [] and (tmp_path / "FILE").read_text() == "x"
+
+
+def _fake_row(fn_name: str, kwargs: dict) -> dict:
+    if fn_name == "measure_ours":
+        return {"impl": f"mlx-dgemma {kwargs['precision']}", "precision": kwargs["precision"], "dtype": "float32",
+                "seconds_per_step": 1.0, "flops_per_step": 1e9, "prefill_tokens_per_second": 10.0,
+                "peak_rss_bytes": 1, "load_seconds": 0.1, "first_step_seconds": 1.0}
+    if fn_name == "breakdown":
+        return {"attention": 0.1}
+    return {"impl": fn_name, "seconds_per_step": 2.0, "prefill_tokens_per_second": 5.0}
+
+
+def _fake_bench(monkeypatch, tmp_path, isolated_fn):
+    from mlx_dgemma import bench
+
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"canvas_length": 16}))
+    monkeypatch.setattr(bench, "isolated", isolated_fn)
+    monkeypatch.setattr(bench, "build", lambda name, work, canvas: (tmp_path / "x.gguf", model_dir))
+    monkeypatch.setattr(bench, "dense_matmul_gflops", lambda dt: 1.0)
+
+
+def test_bench_dtype_goes_to_fast_only(tmp_path, capsys, monkeypatch):
+    # exact is float32 by definition: --dtype bfloat16 with exact,fast made the exact row "skipped"
+    calls = []
+
+    def fake(fn_name, **kwargs):
+        calls.append((fn_name, kwargs.get("precision"), kwargs.get("dtype")))
+        return _fake_row(fn_name, kwargs)
+
+    _fake_bench(monkeypatch, tmp_path, fake)
+    rc = cli_main(["bench", "--configs", "tiny", "--peers", "none", "--extras", "breakdown", "--dtype", "bfloat16",
+                   "--workdir", str(tmp_path / "w"), "--json", str(tmp_path / "b.json")])
+    assert rc == 0
+    assert sorted(c for c in calls if c[0] in ("measure_ours", "breakdown")) == [
+        ("breakdown", "exact", None), ("breakdown", "fast", "bfloat16"),
+        ("measure_ours", "exact", None), ("measure_ours", "fast", "bfloat16")]
+
+
+def test_bench_keeps_finished_rows_on_ctrl_c(tmp_path, capsys, monkeypatch):
+    """README's bench, stopped after its first rows, threw them all away: each finished row is
+    written to the JSON at once, and Ctrl+C prints and keeps what had finished."""
+    out = tmp_path / "b.json"
+    seen_on_disk = []
+
+    def fake(fn_name, **kwargs):
+        if fn_name == "measure_hf":  # the user presses Ctrl+C during the third row
+            seen_on_disk.append(json.loads(out.read_text()))
+            raise KeyboardInterrupt
+        return _fake_row(fn_name, kwargs)
+
+    _fake_bench(monkeypatch, tmp_path, fake)
+    rc = cli_main(["bench", "--configs", "tiny,medium", "--precisions", "exact", "--peers", "mlx-vlm,hf",
+                   "--extras", "none", "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 130
+    # the rows were on disk before the interruption, not only written by the handler
+    assert [r["impl"] for r in seen_on_disk[0]["configs"]["tiny (canvas 16)"]["rows"]] == \
+        ["mlx-dgemma exact", "measure_mlx_vlm"]
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True
+    assert [r["impl"] for r in res["configs"]["tiny (canvas 16)"]["rows"]] == ["mlx-dgemma exact", "measure_mlx_vlm"]
+    assert "medium (canvas 16)" not in res["configs"]
+    assert "mlx-dgemma exact" in cap.out and "measure_mlx_vlm" in cap.out  # the table of what finished
+    last = cap.err.strip().splitlines()[-1]
+    assert last.startswith("mlx-dgemma bench: interrupted") and "2 finished row(s)" in last and str(out) in last
+    assert "Traceback" not in cap.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.json", "m"]  # no temporary file left
+
+
+def test_bench_ctrl_c_before_any_row_writes_nothing(tmp_path, capsys, monkeypatch):
+    def fake(fn_name, **kwargs):
+        raise KeyboardInterrupt
+
+    _fake_bench(monkeypatch, tmp_path, fake)
+    from mlx_dgemma import bench
+
+    monkeypatch.setattr(bench, "dense_matmul_gflops", lambda dt: (_ for _ in ()).throw(KeyboardInterrupt))
+    rc = cli_main(["bench", "--configs", "tiny", "--peers", "none", "--extras", "none",
+                   "--workdir", str(tmp_path / "w"), "--json", str(tmp_path / "b.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 130 and err == ["mlx-dgemma bench: interrupted before any measurement finished; nothing was written"]
+    assert not (tmp_path / "b.json").exists()
+
+
+def sleep_forever(pid_file: str) -> None:
+    """An isolated target that records its pid and never returns (see the test below)."""
+    import os
+    import time
+
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(0.1)
+
+
+def test_isolated_stops_its_child_on_ctrl_c(tmp_path):
+    import os
+    import signal
+    import threading
+    import time
+
+    pid_file = tmp_path / "pid"
+
+    def interrupt_once_started():
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        isolated("tests.test_bench:sleep_forever", timeout=120, pid_file=str(pid_file))
+    pid = int(pid_file.read_text())
+    try:
+        with pytest.raises(ProcessLookupError):  # killed and reaped, not left running
+            os.kill(pid, 0)
+    finally:  # the test's own clean-up where it fails
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_build_leaves_no_partial_gguf(tmp_path, monkeypatch):
+    # a failed write (before: a 24-byte GGUF from --canvas -32) must not be reused as a model later
+    from mlx_dgemma.bench import build
+    from mlx_dgemma.convert import synthetic
+
+    def broken(path, *a, **k):
+        Path(path).write_bytes(b"GGUF" + bytes(20))
+        raise OSError("disk full")
+
+    monkeypatch.setattr(synthetic, "write_tiny_gguf", broken)
+    with pytest.raises(OSError, match="disk full"):
+        build("tiny", tmp_path / "w", 16)
+    assert list((tmp_path / "w").iterdir()) == []

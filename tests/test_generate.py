@@ -211,7 +211,7 @@ def test_cli_errors_are_one_line(tiny_model_dir, tmp_path, capsys):
     (["--max-tokens", "0"], "--max-tokens 0: must be an integer in [1, "),
     (["--t-min", "0.9"], "--t-min 0.9: must be below the first-step temperature (0.8)"),
     (["--t-max", "0.3"], "--t-max 0.3: must be above the final temperature (--t-min, 0.4)"),
-    (["--entropy-bound", "0"], "--entropy-bound 0.0: must be a number > 0"),
+    (["--entropy-bound", "0"], "--entropy-bound 0.0: must be a number in [1e-12, 1e9]"),
 ])
 def test_cli_sampler_errors_name_the_flag_typed(tiny_model_dir, capsys, flags, expected):
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", *flags]) == 2

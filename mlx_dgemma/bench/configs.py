@@ -4,11 +4,15 @@ feeds them."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+
+# The context length of every random model: a bench prompt and its canvas must fit in it.
+CONTEXT = 65536
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=256, intermediate_size=256, num_layers=3, global_layers=(2,), num_heads=2,
@@ -33,14 +37,20 @@ def build(name: str, workdir: Path, canvas: int | None) -> tuple[Path, Path]:
     from mlx_dgemma.convert.synthetic import TinySpec, write_tiny_gguf
 
     spec = dict(CONFIGS[name])
-    if canvas:
+    if canvas is not None:  # 0 and negative values are refused by the bench's flag check
         spec["canvas_length"] = canvas
     tag = f"{name}-c{spec['canvas_length']}"
     gguf = workdir / f"{tag}.gguf"
     out = workdir / tag
     workdir.mkdir(parents=True, exist_ok=True)
-    if not gguf.is_file():
-        write_tiny_gguf(gguf, TinySpec(**spec, context_length=65536), types="q4_k_m", seed=0, weight_std=0.02)
+    if not gguf.is_file():  # written aside and renamed: a failed or stopped write is never reused
+        part = workdir / f".{tag}.gguf.part"
+        try:
+            write_tiny_gguf(part, TinySpec(**spec, context_length=CONTEXT), types="q4_k_m", seed=0,
+                            weight_std=0.02)
+            os.replace(part, gguf)
+        finally:
+            part.unlink(missing_ok=True)
     if not out.is_dir():
         convert(gguf, out)
     return gguf, out

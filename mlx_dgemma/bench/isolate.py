@@ -25,6 +25,11 @@ def _target(fn_name: str) -> Any:
 
 def _child(conn: Any, fn_name: str, kwargs: dict, timeout: float) -> None:
     import faulthandler
+    import signal
+
+    # Ctrl+C reaches the whole process group: the parent stops this child and keeps what had
+    # finished; the child printing its own KeyboardInterrupt traceback would only be noise.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     # where a measurement that is about to be killed for its time is stuck (stderr)
     faulthandler.dump_traceback_later(max(1.0, timeout - 5), exit=False)
@@ -73,37 +78,41 @@ def isolated(fn_name: str, timeout: float | None = None, min_available_bytes: in
     """
     import multiprocessing as mp
 
+    timeout = timeout or CHILD_TIMEOUT
+    if not 0 < timeout < float("inf"):  # NaN too: a deadline that is never reached or always passed
+        raise ValueError(f"timeout {timeout!r}: must be a finite number of seconds > 0")
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    timeout = timeout or CHILD_TIMEOUT
     proc = ctx.Process(target=_child, args=(child, fn_name, kwargs, timeout))
     proc.start()
     child.close()  # the parent's copy: EOF on the pipe once the child is gone
     deadline = time.monotonic() + timeout
-    status, res = "error", "timed out"
+    status, res = "error", f"timed out after {timeout:g} s (--child-timeout)"
     poll = 1.0 if min_available_bytes is None else 0.2
-    while time.monotonic() < deadline:
-        if min_available_bytes is not None:
-            avail = _available_bytes()
-            if avail is not None and avail < min_available_bytes:
-                proc.kill()
-                status, res = "error", (f"stopped: the machine's available memory fell to {avail / 1e9:.1f} GB "
-                                        f"(floor {min_available_bytes / 1e9:.1f} GB)")
+    try:
+        while time.monotonic() < deadline:
+            if min_available_bytes is not None:
+                avail = _available_bytes()
+                if avail is not None and avail < min_available_bytes:
+                    proc.kill()
+                    status, res = "error", (f"stopped: the machine's available memory fell to "
+                                            f"{avail / 1e9:.1f} GB (floor {min_available_bytes / 1e9:.1f} GB)")
+                    break
+            if parent.poll(poll):
+                try:
+                    status, res = parent.recv()
+                except EOFError:
+                    proc.join(5)
+                    status, res = "error", f"the measuring process died (exit code {proc.exitcode})"
                 break
-        if parent.poll(poll):
-            try:
-                status, res = parent.recv()
-            except EOFError:
-                proc.join(5)
+            if not proc.is_alive():
+                proc.join()
                 status, res = "error", f"the measuring process died (exit code {proc.exitcode})"
-            break
-        if not proc.is_alive():
-            proc.join()
-            status, res = "error", f"the measuring process died (exit code {proc.exitcode})"
-            break
-    if proc.is_alive():
-        proc.kill()
-    proc.join()
+                break
+    finally:  # also on Ctrl+C: no measuring process outlives the run
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
     if status == "ok":
         return res
     if status == "missing":  # `missing` lets the caller report a missing peer once

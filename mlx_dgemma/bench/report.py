@@ -16,21 +16,25 @@ def machine() -> dict:
             "cpus": os.cpu_count()}
 
 
+def row_line(r: dict) -> str:
+    """One row of the table: a measurement, or why it was skipped (also logged as it finishes)."""
+    if "skipped" in r:
+        return f"{r['impl']:<36} skipped: {r['skipped']}"
+    peak = f"{r['peak_rss_bytes'] / 1e9:.2f}" if r.get("peak_rss_bytes") else "-"
+    mpeak = f"{r['mlx_peak_bytes'] / 1e9:.2f}" if r.get("mlx_peak_bytes") else "-"
+    return (f"{r['impl']:<36} {r['seconds_per_step'] * 1e3:>9.1f} "
+            f"{r['prefill_tokens_per_second']:>13.1f} {peak:>11} {mpeak:>11}")
+
+
 def table(result: dict) -> str:
     """The human-readable report of :func:`mlx_dgemma.bench.run`'s result (the JSON holds the rest)."""
-    lines = [f"machine: {result['machine']['platform']} ({result['machine']['device']}, mlx {result['machine']['mlx']})",
+    lines = [f"machine: {result['machine']['platform']} ({result['machine']['device']}, mlx {result['machine']['mlx']})"
+             + ("  (interrupted: what had finished)" if result.get("interrupted") else ""),
              "MLX dense matmul: " + ", ".join(f"{k} {v:.2f} GFLOP/s" for k, v in result["dense_matmul_gflops"].items())]
     for name, entry in result["configs"].items():
         lines += ["", f"## {name}",
                   f"{'implementation':<36} {'ms/step':>9} {'prefill tok/s':>13} {'peak RSS GB':>11} {'MLX peak GB':>11}"]
-        for r in entry["rows"]:
-            if "skipped" in r:
-                lines.append(f"{r['impl']:<36} skipped: {r['skipped']}")
-                continue
-            peak = f"{r['peak_rss_bytes'] / 1e9:.2f}" if r.get("peak_rss_bytes") else "-"
-            mpeak = f"{r['mlx_peak_bytes'] / 1e9:.2f}" if r.get("mlx_peak_bytes") else "-"
-            lines.append(f"{r['impl']:<36} {r['seconds_per_step'] * 1e3:>9.1f} "
-                         f"{r['prefill_tokens_per_second']:>13.1f} {peak:>11} {mpeak:>11}")
+        lines += [row_line(r) for r in entry["rows"]]
         for ours in (r for r in entry["rows"] if "vs" in r):
             if ours["vs"]:
                 lines.append(f"{ours['impl']}: " + ", ".join(f"{v:.2f}x {k}" for k, v in ours["vs"].items()))
@@ -49,23 +53,24 @@ def table(result: dict) -> str:
                          f"{q['blocks_identical']}/{q['blocks_compared']}")
         elif q:
             lines.append(f"quality: skipped ({q['skipped']})")
-        for study in ("moe", "sc_top_k"):
-            if isinstance(entry.get(study), dict) and "skipped" in entry[study]:
-                lines.append(f"{study}: skipped ({entry.pop(study)['skipped']})")
+        skipped = {study for study in ("moe", "sc_top_k")
+                   if isinstance(entry.get(study), dict) and "skipped" in entry[study]}
+        lines += [f"{study}: skipped ({entry[study]['skipped']})" for study in sorted(skipped)]
         for prec, parts in entry.get("breakdown", {}).items():
             if "skipped" in parts:
                 lines.append(f"breakdown ({prec}): skipped ({parts['skipped']})")
                 continue
             lines.append(f"breakdown ({prec}, ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
-        if "moe" in entry:
+        if "moe" in entry and "moe" not in skipped:
             lines.append("MoE (one layer): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in entry["moe"].items()))
-        if "sc_top_k" in entry:
+        if "sc_top_k" in entry and "sc_top_k" not in skipped:
             lines.append("self-conditioning: " + ", ".join(
                 f"{'exact' if r['sc_top_k'] is None else 'top-' + str(r['sc_top_k'])} "
                 f"{r['soft_embedding_seconds'] * 1e3:.1f} ms (err {r['max_rel_logit_error']:.1e})"
                 for r in entry["sc_top_k"]))
         if "formats" in entry:
             f = entry["formats"]
-            lines.append(f"formats: exact {f['exact']['bytes'] / 1e6:.1f} MB {f['exact']['seconds_per_step']:.3f} s/step; "
-                         f"compact {f['compact']['bytes'] / 1e6:.1f} MB {f['compact']['seconds_per_step']:.3f} s/step")
+            step = lambda x: "skipped" if x is None else f"{x:.3f} s/step"  # noqa: E731
+            lines.append(f"formats: exact {f['exact']['bytes'] / 1e6:.1f} MB {step(f['exact']['seconds_per_step'])}; "
+                         f"compact {f['compact']['bytes'] / 1e6:.1f} MB {step(f['compact']['seconds_per_step'])}")
     return "\n".join(lines)

@@ -59,6 +59,11 @@ def breakdown(model_dir: Path, prompt_len: int, steps: int, precision: str = "ex
     return parts
 
 
+# The prompts of the quality study (``--quality-prompts`` takes the first N).
+QUALITY_PROMPTS = ("Why is the sky blue?", "Write a short poem about rivers.", "List three prime numbers.",
+                   "What is diffusion?", "Tell me about the moon.")
+
+
 def quality(model_dir: Path, prompt_len: int, dtype: str | None = None, prompts: int = 3,
             gen_steps: int = 12) -> dict[str, Any]:
     """fast vs exact on the same weights and inputs: per-step logit error and top-1 agreement
@@ -96,8 +101,7 @@ def block_agreement(exact, fast, tokenizer, prompts: int = 3, gen_steps: int = 1
     after it the two answers are conditioned on different text)."""
     from mlx_dgemma import BlockEvent, stream_generate
 
-    texts = ["Why is the sky blue?", "Write a short poem about rivers.", "List three prime numbers.",
-             "What is diffusion?", "Tell me about the moon."][:prompts]
+    texts = QUALITY_PROMPTS[:prompts]
     same = total = same_tok = total_tok = 0
     for i, text in enumerate(texts):
         blocks = []
@@ -186,7 +190,8 @@ def sc_top_k_study(model_dir: Path, prompt_len: int, steps: int, ks: tuple[int, 
     return rows
 
 
-def compact_study(gguf: Path, model_dir: Path, prompt_len: int, warmup: int, steps: int) -> dict:
+def compact_study(gguf: Path, model_dir: Path, prompt_len: int, warmup: int, steps: int,
+                  timeout: float | None = None) -> dict:
     """The exact and the compact conversion of one GGUF: bytes on disk, seconds per step and
     peak RSS of each (both measured isolated)."""
     from mlx_dgemma.convert.converter import convert
@@ -195,10 +200,10 @@ def compact_study(gguf: Path, model_dir: Path, prompt_len: int, warmup: int, ste
     if not compact_dir.is_dir():
         convert(gguf, compact_dir, compact=True)
     size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
-    exact = isolated("measure_ours", model_dir=str(model_dir), prompt_len=prompt_len, warmup=warmup, steps=steps,
-                     label="exact")
-    compact = isolated("measure_ours", model_dir=str(compact_dir), prompt_len=prompt_len, warmup=warmup,
-                       steps=steps, label="compact")
+    exact = isolated("measure_ours", timeout=timeout, model_dir=str(model_dir), prompt_len=prompt_len,
+                     warmup=warmup, steps=steps, label="exact")
+    compact = isolated("measure_ours", timeout=timeout, model_dir=str(compact_dir), prompt_len=prompt_len,
+                       warmup=warmup, steps=steps, label="compact")
     return {fmt: {"bytes": size(d), "seconds_per_step": r.get("seconds_per_step"),
                   "peak_rss_bytes": r.get("peak_rss_bytes")}
             for fmt, d, r in (("exact", model_dir, exact), ("compact", compact_dir, compact))}
