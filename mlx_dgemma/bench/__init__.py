@@ -70,6 +70,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-eager", action="store_true", help="skip the eager (uncompiled) step measurements")
     p.add_argument("--workdir", default=".bench-cache", help="where the random models are written (reused)")
     p.add_argument("--json", default="bench.json", help="write the results here")
+    p.add_argument("--e2e", action="store_true",
+                   help="instead: answer tokens/s end to end on trained weights, ours vs mlx-vlm's own loop "
+                        "(mlx_dgemma.bench.e2e)")
+    p.add_argument("--e2e-models", help="--e2e: comma-separated GGUF files (default: the trained demo)")
+    p.add_argument("--e2e-prompts", type=int, default=8, help="--e2e: how many of its 8 prompts to run")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -157,6 +162,10 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     """``mlx-dgemma bench``: run, print the table, write the JSON."""
+    if getattr(args, "e2e", False):
+        from .e2e import main as e2e_main
+
+        return e2e_main(args)
     result = run(args)
     print(table(result))
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
