@@ -50,7 +50,6 @@ SETTINGS = {
     "step cap 4": {"max_denoising_steps": 4},
     "confidence 0.9": {"accept_probability": 0.9},
     "confidence 0.7": {"accept_probability": 0.7},
-    "confidence 0.5": {"accept_probability": 0.5},
 }
 
 

@@ -32,6 +32,10 @@ class StepFunction:
                  compile: bool = True):
         params.check_model(model.args.vocab_size)
         self.model, self.params = model, params
+        # a request's --sc-top-k, else the precision's (fast: FAST_SC_TOP_K; exact: the whole vocabulary)
+        k = params.sc_top_k if params.sc_top_k is not None else getattr(getattr(model, "precision", None),
+                                                                        "sc_top_k", None)
+        self.sc_top_k = None if k is None or k >= model.args.vocab_size else k
         self.dtype = dtype or getattr(model, "activation_dtype", mx.float32)  # the runtime precision's activations
         self.compiled = compile
         self._fns: dict[bool, Callable] = {}
@@ -66,11 +70,12 @@ class StepFunction:
 
     def _body(self, with_sc: bool) -> Callable:
         model, p, dtype = self.model, self.params, self.dtype
+        sc_top_k = self.sc_top_k
 
         def body(canvas, sc, temp, key, history, revealed, offset, *state):
             # a real cache becomes a view over the traced inputs; anything else (test doubles) passes as is
             cache = self._cache.view(list(state), offset) if isinstance(self._cache, KVCache) else self._cache
-            logits = model.denoise(canvas, cache, sc if with_sc else None, dtype=dtype, sc_top_k=p.sc_top_k)
+            logits = model.denoise(canvas, cache, sc if with_sc else None, dtype=dtype, sc_top_k=sc_top_k)
             out = sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key, p.accept_probability,
                               revealed)
             stop, new_history = stop_update(history, out["argmax"], out["entropy"], p.stability_threshold,

@@ -121,3 +121,15 @@ def test_step_cap_scales_the_schedule(tiny_model_dir, cap):
     assert len(evs) == cap and all(e.max_steps == cap for e in evs)
     # step i of N runs at t_min + (t_max - t_min) * (N - i + 1) / N: t_max first, t_min + delta / N last
     assert [e.temperature for e in evs] == pytest.approx([0.2 + 0.4 * (cap - i) / cap for i in range(cap)])
+
+
+def test_fast_self_conditions_from_the_top_64(tiny_model_dir):
+    from mlx_dgemma.precision import FAST_SC_TOP_K
+
+    fast, _ = load(tiny_model_dir, precision="fast")
+    exact, _ = load(tiny_model_dir, precision="exact")
+    assert FAST_SC_TOP_K == 64 < fast.args.vocab_size
+    assert StepFunction(fast, SamplerParams()).sc_top_k == 64
+    assert StepFunction(exact, SamplerParams()).sc_top_k is None
+    assert StepFunction(fast, SamplerParams(sc_top_k=16)).sc_top_k == 16  # a request's own k wins
+    assert StepFunction(fast, SamplerParams(sc_top_k=fast.args.vocab_size)).sc_top_k is None  # all = exact
