@@ -111,6 +111,9 @@ def add_sampler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stability-threshold", type=int, metavar="N", help="identical argmax canvases needed to stop")
     g.add_argument("--confidence-threshold", type=float, metavar="X", help="mean entropy needed to stop")
     g.add_argument("--sc-top-k", type=int, metavar="K", help="approximate self-conditioning with the top K tokens")
+    g.add_argument("--accept-probability", type=float, metavar="P",
+                   help="confidence-threshold acceptance instead of EntropyBound: reveal a position once its "
+                        "top probability reaches P (mlx-vlm's default: 0.9); fewer steps, answers differ")
     g.add_argument("--seed", type=int, metavar="N", help="make the run reproducible")
 
 
@@ -145,7 +148,8 @@ def planned_precision(args: argparse.Namespace) -> str:
 # generation parameter -> the flag that sets it (errors name what the user typed)
 FLAGS = {"max_new_tokens": "--max-tokens", "max_denoising_steps": "--steps", "t_min": "--t-min",
          "t_max": "--t-max", "entropy_bound": "--entropy-bound", "stability_threshold": "--stability-threshold",
-         "confidence_threshold": "--confidence-threshold", "sc_top_k": "--sc-top-k", "seed": "--seed"}
+         "confidence_threshold": "--confidence-threshold", "sc_top_k": "--sc-top-k", "seed": "--seed",
+         "accept_probability": "--accept-probability"}
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -56,6 +56,7 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
     canvas = initial_canvas if initial_canvas is not None else \
         mx.random.randint(0, V, (1, C), key=k0).astype(mx.int32)
     history = step_fn.initial_history((1, C))
+    revealed = None  # the confidence-threshold mode's revealed canvas (the step starts it)
     sc_logits = None
     argmax = canvas
     N = params.max_denoising_steps
@@ -63,13 +64,14 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
         t0 = time.perf_counter()
         key, sub = mx.random.split(key)
         temp = temperature(left, params)
-        out = step_fn(canvas, sc_logits, temp, sub, history, cache)
+        out = step_fn(canvas, sc_logits, temp, sub, history, cache, revealed)
         mx.eval(out["canvas"], out["argmax"], out["accepted"], out["entropy"], out["processed"], out["stop"],
-                out["history"], out["finite"])
+                out["history"], out["finite"], out["revealed"])
         if not out["finite"].item():
             raise NonFiniteError(f"block {block}, step {i}: the model's logits are NaN or Inf; the weights "
                                  "or the dtype overflow (try --dtype float32, or convert the model again)")
         canvas, argmax, sc_logits, history = out["canvas"], out["argmax"], out["processed"], out["history"]
+        revealed = out["revealed"]
         entropy = np.array(out["entropy"][0])
         stopped = bool(out["stop"][0].item())
         yield StepEvent(block, i, N, _frozen(np.array(canvas[0])), _frozen(np.array(argmax[0])),
@@ -190,7 +192,7 @@ def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | l
     ``prompt`` is a user message (rendered with the chat template unless ``chat=False``),
     a list of messages, or token ids. ``params`` override generation_config values
     (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
-    confidence_threshold, max_new_tokens, seed, sc_top_k). Without ``generation_config`` the
+    confidence_threshold, max_new_tokens, seed, sc_top_k, accept_probability). Without ``generation_config`` the
     model's own (``model.generation_config``, attached by :func:`mlx_dgemma.load`) is used.
     """
     p = SamplerParams.from_config(_model_defaults(model, generation_config), **params)

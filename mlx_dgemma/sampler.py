@@ -1,5 +1,10 @@
 """The reference sampler, on the device: linear temperature schedule, EntropyBound acceptance
-with renoising, StableAndConfident stopping (``generation_diffusion_gemma.py``)."""
+with renoising, StableAndConfident stopping (``generation_diffusion_gemma.py``).
+
+Opt-in instead of EntropyBound (``accept_probability``): mlx-vlm's default confidence-threshold
+acceptance, where a position whose top probability reaches the threshold is revealed with its
+argmax and kept for the rest of the block, and the block stops once every position is revealed.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ class SamplerParams(SamplerDefaults):
 
     seed: int | None = None
     sc_top_k: int | None = None  # sparse self-conditioning (None = exact)
+    # confidence-threshold acceptance (mlx-vlm's default, 0.9 there); None = EntropyBound (the reference)
+    accept_probability: float | None = None
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any] | None, **overrides: Any) -> "SamplerParams":
@@ -79,24 +86,53 @@ def accept_mask(entropy: mx.array, bound: float) -> mx.array:
     return mx.take_along_axis(selected, inverse, axis=-1)
 
 
+def confidence_reveal(processed: mx.array, argmax: mx.array, revealed: mx.array, threshold: float) -> mx.array:
+    """Confidence-threshold acceptance (mlx-vlm's ``_diffusion_confidence_transfer_mask``):
+    the new revealed canvas [B, C] (-1 where still hidden).
+
+    A hidden position is revealed with its argmax when its top probability (of the
+    temperature-scaled logits) is at least ``threshold``; when none qualifies, the most
+    confident hidden position is revealed, so every step reveals at least one. Revealed
+    positions keep their token for the rest of the block.
+    """
+    top = mx.exp(mx.max(processed, axis=-1) - mx.logsumexp(processed, axis=-1))  # p(argmax) [B, C]
+    hidden = revealed < 0
+    want = hidden & (top >= threshold)
+    force = mx.any(hidden, axis=-1, keepdims=True) & ~mx.any(want, axis=-1, keepdims=True)
+    best = mx.argmax(mx.where(hidden, top, -1.0), axis=-1, keepdims=True)
+    forced = (mx.arange(top.shape[-1])[None, :] == best) & force
+    return mx.where(want | forced, argmax, revealed)
+
+
 def sample_step(raw_logits: mx.array, temp: float | mx.array, bound: float, vocab_size: int,
-                key: mx.array) -> dict[str, mx.array]:
+                key: mx.array, accept_probability: float | None = None,
+                revealed: mx.array | None = None) -> dict[str, mx.array]:
     """One step of the sampler on the decoder's logits [B, C, V].
 
     Returns processed logits (the next self-conditioning input), the argmax canvas, the
-    per-position entropy, the accepted mask and the next canvas: accepted positions take
-    the multinomial draw, the rest fresh uniform tokens.
+    per-position entropy, the accepted mask, the next canvas and the revealed canvas.
+    EntropyBound (``accept_probability`` None): accepted positions take the multinomial
+    draw, the rest fresh uniform tokens; ``revealed`` passes through. Confidence threshold:
+    see :func:`confidence_reveal`; revealed positions keep their token, the rest are
+    renoised, and ``accepted`` marks every revealed position.
     """
     k_draw, k_noise = mx.random.split(key)
     processed = raw_logits / temp
-    draw = mx.random.categorical(processed, axis=-1, key=k_draw)
     argmax = mx.argmax(processed, axis=-1).astype(mx.int32)
     entropy = token_entropy(processed)
-    accepted = accept_mask(entropy, bound)
-    noise = mx.random.randint(0, vocab_size, draw.shape, key=k_noise)
-    canvas = mx.where(accepted, draw, noise)
+    noise = mx.random.randint(0, vocab_size, argmax.shape, key=k_noise)
+    if revealed is None:
+        revealed = mx.full(argmax.shape, -1, dtype=mx.int32)
+    if accept_probability is None:
+        draw = mx.random.categorical(processed, axis=-1, key=k_draw)
+        accepted = accept_mask(entropy, bound)
+        canvas = mx.where(accepted, draw, noise)
+    else:
+        revealed = confidence_reveal(processed, argmax, revealed, accept_probability)
+        accepted = revealed >= 0
+        canvas = mx.where(accepted, revealed, noise)
     return {"processed": processed, "argmax": argmax, "entropy": entropy, "accepted": accepted,
-            "canvas": canvas.astype(mx.int32)}
+            "canvas": canvas.astype(mx.int32), "revealed": revealed}
 
 
 def stop_update(history: mx.array | None, argmax: mx.array, entropy: mx.array, k: int,
@@ -114,6 +150,11 @@ def stop_update(history: mx.array | None, argmax: mx.array, entropy: mx.array, k
         history = initial_history(k, argmax.shape)
     stable = mx.all(history == argmax[None], axis=(0, 2))
     return stable & confident, mx.concatenate([history[1:], argmax[None]], axis=0)
+
+
+def initial_revealed(shape: tuple[int, ...]) -> mx.array:
+    """The revealed canvas of a new block: nothing revealed (-1 everywhere)."""
+    return mx.full(shape, -1, dtype=mx.int32)
 
 
 def initial_history(k: int, shape: tuple[int, ...]) -> mx.array:

@@ -14,24 +14,33 @@ import mlx.core as mx
 
 from .cache import KVCache
 from .distributed import all_finite, sharded_sample_step
+from .errors import ParameterError
 from .model import DiffusionGemma
-from .sampler import SamplerParams, initial_history, sample_step, stop_update
+from .sampler import SamplerParams, initial_history, initial_revealed, sample_step, stop_update
 
-OUTPUTS = ("canvas", "argmax", "accepted", "entropy", "processed", "stop", "history", "finite")
+OUTPUTS = ("canvas", "argmax", "accepted", "entropy", "processed", "stop", "history", "finite", "revealed")
 
 # The sampler fields the traced graph bakes in as constants; the others (steps, temperatures,
 # seed, token budget) are inputs or loop bounds, so two requests differing only in them can
 # share one trace.
-TRACED_FIELDS = ("entropy_bound", "stability_threshold", "confidence_threshold", "sc_top_k")
+TRACED_FIELDS = ("entropy_bound", "stability_threshold", "confidence_threshold", "sc_top_k", "accept_probability")
 
 
 class StepFunction:
-    """``step(canvas, sc_logits | None, temperature, key, history, cache) -> dict`` of OUTPUTS."""
+    """``step(canvas, sc_logits | None, temperature, key, history, cache, revealed=None) -> dict`` of
+    OUTPUTS (``revealed``: the confidence-threshold mode's revealed canvas, -1 where hidden)."""
 
     def __init__(self, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype | None = None,
                  compile: bool = True):
         params.check_model(model.args.vocab_size)
+        if params.accept_probability is not None and getattr(model, "group", None) is not None:
+            raise ParameterError("accept_probability: the confidence-threshold mode runs in one process; leave it "
+                                 "out under mlx.launch (EntropyBound, the default, runs across ranks)")
         self.model, self.params = model, params
+        # a request's --sc-top-k, else the precision's (fast: FAST_SC_TOP_K; exact: the whole vocabulary)
+        k = params.sc_top_k if params.sc_top_k is not None else getattr(getattr(model, "precision", None),
+                                                                        "sc_top_k", None)
+        self.sc_top_k = None if k is None or k >= model.args.vocab_size else k
         self.dtype = dtype or getattr(model, "activation_dtype", mx.float32)  # the runtime precision's activations
         self.compiled = compile
         self._fns: dict[bool, Callable] = {}
@@ -66,23 +75,28 @@ class StepFunction:
 
     def _body(self, with_sc: bool) -> Callable:
         model, p, dtype = self.model, self.params, self.dtype
+        sc_top_k = self.sc_top_k
 
-        def body(canvas, sc, temp, key, history, offset, *state):
+        def body(canvas, sc, temp, key, history, revealed, offset, *state):
             # a real cache becomes a view over the traced inputs; anything else (test doubles) passes as is
             cache = self._cache.view(list(state), offset) if isinstance(self._cache, KVCache) else self._cache
-            logits = model.denoise(canvas, cache, sc if with_sc else None, dtype=dtype, sc_top_k=p.sc_top_k)
+            logits = model.denoise(canvas, cache, sc if with_sc else None, dtype=dtype, sc_top_k=sc_top_k)
             group = getattr(model, "group", None)
             if group is None:
-                out = sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key)
+                out = sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key, p.accept_probability,
+                                  revealed)
             else:  # logits hold this rank's vocabulary: the sampler's reductions go across ranks
-                out = sharded_sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key,
-                                          model.vocab[0], group)
+                # (EntropyBound only: the constructor refuses accept_probability on several ranks)
+                out = {**sharded_sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key,
+                                             model.vocab[0], group), "revealed": revealed}
             stop, new_history = stop_update(history, out["argmax"], out["entropy"], p.stability_threshold,
                                             p.confidence_threshold)
+            if p.accept_probability is not None:  # confidence threshold: done once every position is revealed
+                stop = stop | mx.all(out["accepted"], axis=-1)
             # one flag in the same graph (no extra sync): NaN/Inf logits become an error, not a blank answer
             finite = mx.all(mx.isfinite(logits)) if group is None else all_finite(logits, group)
             return (out["canvas"], out["argmax"], out["accepted"], out["entropy"], out["processed"], stop,
-                    new_history, finite)
+                    new_history, finite, out["revealed"])
 
         return body
 
@@ -90,14 +104,16 @@ class StepFunction:
         return initial_history(self.params.stability_threshold, shape)
 
     def __call__(self, canvas: mx.array, sc: mx.array | None, temperature: float, key: mx.array,
-                 history: mx.array, cache: KVCache | None) -> dict[str, mx.array]:
+                 history: mx.array, cache: KVCache | None, revealed: mx.array | None = None) -> dict[str, mx.array]:
         self._cache = cache
         real = isinstance(cache, KVCache)
         state = cache.state() if real else []
         offset = mx.array(cache.offset if real else 0, dtype=mx.int32)
+        revealed = revealed if revealed is not None else initial_revealed(canvas.shape)
         try:
             out = self._fn(sc is not None)(canvas, sc if sc is not None else mx.zeros((1,)),
-                                           mx.array(temperature, dtype=mx.float32), key, history, offset, *state)
+                                           mx.array(temperature, dtype=mx.float32), key, history, revealed, offset,
+                                           *state)
         finally:
             self._cache = None  # only read while tracing; a shared step must not keep a finished answer's cache alive
         return dict(zip(OUTPUTS, out))

@@ -45,6 +45,7 @@ GENERATION_RULES: dict[str, tuple[str, Any, Any, str]] = {  # name: (kind, low, 
     # sc_top_k: the vocabulary size caps it too, checked once the model is known (SamplerParams)
     "sc_top_k": ("int", 1, 2**31 - 1, "an integer >= 1 (leave it out for exact self-conditioning), at most the "
                  "vocabulary size"),
+    "accept_probability": ("float", 0.0, 1.0, "a probability in [0, 1] (leave it out for EntropyBound)"),
 }
 
 
@@ -57,7 +58,8 @@ def _is_num(v: Any) -> bool:
 
 
 def check_generation_field(name: str, value: Any) -> None:
-    """One generation parameter against its type and range (None allowed for seed, sc_top_k)."""
+    """One generation parameter against its type and range (None allowed for seed, sc_top_k,
+    accept_probability: the run's own settings, off by default)."""
     if name == "eos_token_id":
         ids = value if isinstance(value, (list, tuple)) else [value]
         if not ids or not all(_is_int(i) and 0 <= i < 2**31 for i in ids):
@@ -65,7 +67,7 @@ def check_generation_field(name: str, value: Any) -> None:
                                  param=name, rule="a token id or a list of token ids")
         return
     rule = GENERATION_RULES.get(name)
-    if rule is None or (value is None and name in ("seed", "sc_top_k")):
+    if rule is None or (value is None and name in ("seed", "sc_top_k", "accept_probability")):
         return
     kind, low, high, text = rule
     ok = (_is_int(value) if kind == "int" else _is_num(value)) and low <= value <= high

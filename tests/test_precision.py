@@ -44,7 +44,7 @@ def fast(request, tiny_model_dir):
 
 def test_resolve_precision():
     assert resolve_precision("exact") == Precision("exact", mx.float32)
-    assert resolve_precision("fast", "bfloat16") == Precision("fast", mx.bfloat16)
+    assert resolve_precision("fast", "bfloat16") == Precision("fast", mx.bfloat16, 64)  # top-64 self-conditioning
     # auto is fast, with the device's fast dtype (float32 on the CPU backend)
     auto = resolve_precision("auto")
     assert auto.name == "fast"

@@ -90,6 +90,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="where the random models are written (reused)")
     p.add_argument("--json", default="bench.json", metavar="FILE",
                    help="write the results here (rewritten as each measurement finishes)")
+    p.add_argument("--e2e", action="store_true",
+                   help="instead: answer tokens/s end to end on trained weights, ours vs mlx-vlm's own loop "
+                        "(mlx_dgemma.bench.e2e)")
+    p.add_argument("--e2e-models", help="--e2e: comma-separated GGUF files (default: the trained demo)")
+    p.add_argument("--e2e-prompts", type=int, default=8, help="--e2e: how many of its 8 prompts to run")
 
 
 @dataclass(frozen=True)
@@ -307,7 +312,12 @@ def _finished_rows(result: dict | None) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """``mlx-dgemma bench``: run, print the table, write the JSON (after each finished
-    measurement). Ctrl+C (or SIGTERM) keeps and prints what had finished."""
+    measurement). Ctrl+C (or SIGTERM) keeps and prints what had finished. ``--e2e``: the
+    end-to-end comparison on trained weights instead (:mod:`mlx_dgemma.bench.e2e`)."""
+    if getattr(args, "e2e", False):
+        from .e2e import main as e2e_main
+
+        return e2e_main(args)
     plan = check_args(args)
     writer = JsonWriter(plan.json)
     try:

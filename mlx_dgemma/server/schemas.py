@@ -16,7 +16,7 @@ from mlx_dgemma.validate import GENERATION_RULES
 
 # our sampler's settings, accepted as extra top-level request fields
 SAMPLER_FIELDS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
-                  "confidence_threshold", "sc_top_k")
+                  "confidence_threshold", "sc_top_k", "accept_probability")
 
 
 def _rule(name: str) -> Any:
@@ -86,6 +86,7 @@ class Sampling(Body):
     stability_threshold: _rule("stability_threshold") = None
     confidence_threshold: _rule("confidence_threshold") = None
     sc_top_k: _rule("sc_top_k") = None
+    accept_probability: _rule("accept_probability") = None
     diffusion: DiffusionOptions | None = None
     response_format: Any = None
 

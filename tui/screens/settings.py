@@ -24,6 +24,7 @@ FIELDS = [
     ("entropy_bound", "entropy bound", float),
     ("stability_threshold", "stability threshold", int),
     ("confidence_threshold", "confidence threshold", float),
+    ("accept_probability", "accept probability (empty = EntropyBound)", float),
     ("max_new_tokens", "max new tokens", int),
     ("seed", "seed (empty = random)", int),
 ]

@@ -1,0 +1,306 @@
+"""``mlx-dgemma bench --e2e``: answer tokens per second as a user feels them, ours against
+mlx-vlm's DiffusionGemma in one run, on trained weights (the built-in demo by default).
+
+Each implementation runs its OWN generation loop with its own default sampler on the same
+weights, prompts (rendered by our chat template into the same token ids) and seeds:
+
+* ``mlx-dgemma``: ``stream_generate`` with the model's generation_config (EntropyBound);
+* ``mlx-vlm``: ``mlx_vlm.generate.diffusion.stream_diffusion_generate`` (what its
+  ``Model.generate`` and CLI run) with its defaults: confidence-threshold acceptance at 0.9,
+  argmax draws (temperature 0), eager (its ``diffusion_compile`` is off by default), fed our
+  generation_config's values (temperature schedule, entropy bound, stopping rule, EOS ids);
+
+and, for the gap at equal samplers, mlx-vlm with its ``entropy-bound`` sampler and ours with
+``accept_probability=0.9`` (mlx-vlm's confidence threshold). Every row is one isolated process
+(``isolate.isolated``), with one untimed warm-up answer first (tracing, kernel caches).
+
+Definitions (the same for every row):
+
+* answer tokens: the generated tokens up to the end of the turn, i.e. before the first EOS id
+  of the generation config (``<eos>``, ``<turn|>``, ...), which is not counted;
+* wall: from the call to the last token, prefill included; answer tokens/s = sum of answer
+  tokens / sum of wall over the prompts;
+* steps: decoder passes; s/step = (wall - prefill) / steps (committing a block through the
+  encoder included, for both); tokens per forward = answer tokens / steps;
+* time to first block: from the call to the first committed block (prefill included);
+* prefill tok/s: prompt tokens / prefill seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .isolate import isolated
+from .report import machine
+from .timing import log
+
+# Short prompts in the demo's register (a verse to continue) and free questions.
+PROMPTS = ("In the beginning God created the heaven and the earth.", "The Lord is my shepherd",
+           "Tell me about the sea.", "And the king said unto Daniel,", "Blessed are the meek:",
+           "Who made the stars?", "And Moses went up unto the mountain.", "What is wisdom?")
+WARMUP_PROMPT = "Hello! Who are you?"
+MLX_VLM_THRESHOLD = 0.9  # mlx_vlm.generate.diffusion.DEFAULT_DIFFUSION_CONFIDENCE_THRESHOLD
+
+
+def _answer_tokens(tokens: list[int], eos: tuple[int, ...]) -> list[int]:
+    """The tokens up to the end of the turn (the first EOS id, not included)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i]
+    return tokens
+
+
+def _prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    from mlx_dgemma.chat_template import render_chat
+
+    return tokenizer.encode(render_chat([{"role": "user", "content": text}], tokenizer.chat_template))
+
+
+def _summary(impl: str, sampler: str, runs: list[dict]) -> dict:
+    """One table row from per-prompt runs (see the module docstring for the definitions)."""
+    blocks = [s for r in runs for s in r["steps_per_block"]]
+    steps = sum(blocks)
+    wall = sum(r["wall_s"] for r in runs)
+    answer = sum(len(r["answer_ids"]) for r in runs)
+    prefill_s = sum(r["prefill_s"] for r in runs)
+    return {"impl": impl, "sampler": sampler, "prompts": len(runs), "answer_tokens": answer, "wall_s": wall,
+            "answer_tokens_per_s": answer / wall if wall else 0.0,
+            "steps": steps, "blocks": len(blocks),
+            "mean_steps_per_block": steps / len(blocks) if blocks else 0.0,
+            "median_steps_per_block": statistics.median(blocks) if blocks else 0.0,
+            "s_per_step": (wall - prefill_s) / steps if steps else 0.0,
+            "tokens_per_forward": answer / steps if steps else 0.0,
+            "median_first_block_s": statistics.median(r["first_block_s"] for r in runs),
+            "prefill_tokens_per_s": sum(r["prompt_tokens"] for r in runs) / prefill_s if prefill_s else 0.0,
+            "runs": runs}
+
+
+def e2e_ours(model: str, prompts: list[str], seeds: list[int], label: str = "mlx-dgemma",
+             precision: str = "auto", overrides: dict | None = None, warmup: bool = True) -> dict:
+    """Our ``stream_generate`` on each prompt (one isolated measurement)."""
+    from mlx_dgemma import load
+    from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent
+    from mlx_dgemma.generation import stream_generate
+    from mlx_dgemma.sampler import SamplerParams
+
+    m, tok = load(model, precision=precision)
+    overrides = dict(overrides or {})
+    eos = SamplerParams.from_config(m.generation_config, **overrides).eos_token_id
+    sampler = ("confidence threshold " + str(overrides["accept_probability"])) \
+        if overrides.get("accept_probability") is not None else "EntropyBound"
+    if warmup:
+        for _ in stream_generate(m, tok, _prompt_ids(tok, WARMUP_PROMPT), seed=0, **overrides):
+            pass
+    runs = []
+    for text, seed in zip(prompts, seeds):
+        ids = _prompt_ids(tok, text)
+        t0 = time.perf_counter()
+        first = prefill = None
+        done = None
+        for ev in stream_generate(m, tok, ids, seed=seed, **overrides):
+            if isinstance(ev, PrefillEvent):
+                prefill = ev.seconds
+            elif isinstance(ev, BlockEvent) and first is None:
+                first = time.perf_counter() - t0
+            elif isinstance(ev, DoneEvent):
+                done = ev
+        wall = time.perf_counter() - t0
+        assert done is not None and prefill is not None
+        answer = _answer_tokens(list(done.tokens), eos)
+        runs.append({"prompt": text, "seed": seed, "prompt_tokens": len(ids), "answer_ids": answer,
+                     "answer": tok.decode(answer), "wall_s": wall, "prefill_s": prefill,
+                     "first_block_s": first if first is not None else wall,
+                     "steps_per_block": list(done.steps_per_block)})
+        log(f"{label}: {text[:30]!r}: {len(answer)} tokens, steps {list(done.steps_per_block)}, {wall:.1f} s")
+    return _summary(f"{label} {m.precision.label}", sampler, runs)
+
+
+class _Detokenizer:
+    """The streaming detokenizer mlx-vlm's loop feeds token by token: collects the ids only
+    (the text is decoded once afterwards, outside the timed loop; ours decodes per block)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def add_token(self, token: int, skip_special_token_ids: Any = None) -> None:
+        self.tokens.append(token)
+
+    @property
+    def last_segment(self) -> str:
+        return ""
+
+    def finalize(self) -> None:
+        pass
+
+
+class _Stopping:
+    def __init__(self, ids: tuple[int, ...]) -> None:
+        self.ids = set(ids)
+
+    def add_eos_token_ids(self, ids: Any) -> None:
+        self.ids |= set([ids] if isinstance(ids, int) else ids)
+
+    def __call__(self, token: int) -> bool:
+        return token in self.ids
+
+
+class _Processor:
+    """What mlx-vlm's loop asks of its processor/tokenizer: a detokenizer and a stop test."""
+
+    def __init__(self, eos: tuple[int, ...]) -> None:
+        self.detokenizer = _Detokenizer()
+        self.stopping_criteria = _Stopping(eos)
+
+
+def mlx_vlm_generation_config(gc: dict) -> dict:
+    """Our generation_config in the layout mlx-vlm's loop reads (``model.config.generation_config``)."""
+    from mlx_dgemma.sampler import SamplerParams
+
+    p = SamplerParams.from_config(gc)
+    return {"max_denoising_steps": p.max_denoising_steps, "max_new_tokens": p.max_new_tokens,
+            "eos_token_id": list(p.eos_token_id), "t_min": p.t_min, "t_max": p.t_max,
+            "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": p.entropy_bound},
+            "diffusion_stopping_config": {"stability_threshold": p.stability_threshold,
+                                          "confidence_threshold": p.confidence_threshold}}
+
+
+def e2e_mlx_vlm(model: str, prompts: list[str], seeds: list[int], sampler: str = "confidence-threshold",
+                warmup: bool = True, overrides: dict | None = None) -> dict:
+    """mlx-vlm's own generation loop (``stream_diffusion_generate``) on the GGUF's weights,
+    dense float32, with its defaults except the ``diffusion_sampler`` (one isolated measurement).
+    ``overrides``: generation_config values for both loops (tests: fewer steps and tokens)."""
+    import mlx.core as mx
+    from mlx_vlm.generate.diffusion import stream_diffusion_generate
+
+    from mlx_dgemma import load
+
+    from .peers import mlx_vlm_model_from_gguf
+
+    _, tok = load(model)  # our tokenizer and the file's generation config (same ids as ours)
+    gc = {**_.generation_config, **{k: v for k, v in (overrides or {}).items() if k != "accept_probability"}}
+    del _
+    vlm = mlx_vlm_model_from_gguf(Path(model), dtype=mx.float32)
+    vlm.config.generation_config = mlx_vlm_generation_config(gc)
+    eos = tuple(vlm.config.generation_config["eos_token_id"])
+    max_tokens = vlm.config.generation_config["max_new_tokens"]
+
+    def one(ids: list[int], seed: int) -> dict:
+        mx.random.seed(seed)  # what its CLI and server do with a seed
+        proc = _Processor(eos)
+        t0 = time.perf_counter()
+        first, tokens, block_steps, last = None, [], [], None
+        for r in stream_diffusion_generate(vlm, proc, proc, mx.array([ids], dtype=mx.int32), None, None,
+                                           max_tokens=max_tokens, skip_special_token_ids=[],
+                                           diffusion_sampler=sampler):
+            last = r
+            if r.diffusion_block_complete:
+                if first is None:
+                    first = time.perf_counter() - t0
+                block_steps.append(r.diffusion_denoising_steps - sum(block_steps))
+            elif r.token is not None and not r.is_draft and r.finish_reason is None:
+                tokens.append(int(r.token))
+        wall = time.perf_counter() - t0
+        prefill = last.prompt_tokens / last.prompt_tps
+        return {"prompt_tokens": len(ids), "answer_ids": tokens, "answer": tok.decode(tokens), "wall_s": wall,
+                "prefill_s": prefill, "first_block_s": first if first is not None else wall,
+                "steps_per_block": block_steps}
+
+    if warmup:
+        one(_prompt_ids(tok, WARMUP_PROMPT), 0)
+    runs = []
+    for text, seed in zip(prompts, seeds):
+        r = one(_prompt_ids(tok, text), seed)
+        runs.append({"prompt": text, "seed": seed, **r})
+        log(f"mlx-vlm {sampler}: {text[:30]!r}: {len(r['answer_ids'])} tokens, steps {r['steps_per_block']}, "
+            f"{r['wall_s']:.1f} s")
+    label = f"confidence threshold {MLX_VLM_THRESHOLD}" if sampler == "confidence-threshold" else "EntropyBound"
+    return _summary("mlx-vlm dense f32 (same weights)", label, runs)
+
+
+# (name, target, kwargs beyond model/prompts/seeds): ours and the peer each with its default
+# sampler first, then each with the other's.
+ROWS = (
+    ("ours-default", "mlx_dgemma.bench.e2e:e2e_ours", {}),
+    ("mlx-vlm-default", "mlx_dgemma.bench.e2e:e2e_mlx_vlm", {"sampler": "confidence-threshold"}),
+    ("mlx-vlm-entropy-bound", "mlx_dgemma.bench.e2e:e2e_mlx_vlm", {"sampler": "entropy-bound"}),
+    ("ours-confidence", "mlx_dgemma.bench.e2e:e2e_ours", {"overrides": {"accept_probability": MLX_VLM_THRESHOLD}}),
+)
+
+
+def run_e2e(models: list[str], prompts: list[str], seeds: list[int], rows: tuple = ROWS,
+            timeout: float | None = None, overrides: dict | None = None) -> dict:
+    """Every row on every model, each isolated; JSON-ready. ``overrides``: generation_config
+    values for every row (a row's own, such as ``accept_probability``, win)."""
+    result: dict[str, Any] = {"machine": machine(), "prompts": prompts, "seeds": seeds, "models": {}}
+    for model in models:
+        entry: dict[str, Any] = {}
+        for name, target, kw in rows:
+            log(f"e2e {Path(model).name}: {name}")
+            kw = {**kw, "overrides": {**(overrides or {}), **kw.get("overrides", {})}}
+            entry[name] = isolated(target, timeout=timeout, model=model, prompts=prompts, seeds=seeds, **kw)
+            entry[name].setdefault("impl", name)
+        ours, vlm = entry.get("ours-default", {}), entry.get("mlx-vlm-default", {})
+        if ours.get("answer_tokens_per_s") and vlm.get("answer_tokens_per_s"):
+            entry["ours_vs_mlx_vlm_defaults"] = ours["answer_tokens_per_s"] / vlm["answer_tokens_per_s"]
+        eb = entry.get("mlx-vlm-entropy-bound", {})
+        if ours.get("answer_tokens_per_s") and eb.get("answer_tokens_per_s"):
+            entry["ours_vs_mlx_vlm_entropy_bound"] = ours["answer_tokens_per_s"] / eb["answer_tokens_per_s"]
+        oc = entry.get("ours-confidence", {})
+        if oc.get("answer_tokens_per_s") and vlm.get("answer_tokens_per_s"):
+            entry["ours_vs_mlx_vlm_confidence"] = oc["answer_tokens_per_s"] / vlm["answer_tokens_per_s"]
+        result["models"][model] = entry
+    return result
+
+
+def e2e_table(result: dict) -> str:
+    """The human-readable table of :func:`run_e2e`'s result."""
+    lines = [f"machine: {result['machine']['platform']} ({result['machine']['device']}, "
+             f"mlx {result['machine']['mlx']}); {len(result['prompts'])} prompts"]
+    head = (f"{'implementation':<34} {'sampler':<24} {'ans tok/s':>9} {'steps/blk':>9} {'s/step':>7} "
+            f"{'tok/fwd':>7} {'1st blk s':>9} {'prefill tok/s':>13} {'ans tok':>7}")
+    for model, entry in result["models"].items():
+        lines += ["", f"## {Path(model).name}", head]
+        for name, r in entry.items():
+            if not isinstance(r, dict):
+                continue
+            if "skipped" in r:
+                lines.append(f"{r['impl']:<34} skipped: {r['skipped']}")
+                continue
+            lines.append(f"{r['impl']:<34} {r['sampler']:<24} {r['answer_tokens_per_s']:>9.2f} "
+                         f"{r['mean_steps_per_block']:>9.1f} {r['s_per_step']:>7.3f} {r['tokens_per_forward']:>7.2f} "
+                         f"{r['median_first_block_s']:>9.2f} {r['prefill_tokens_per_s']:>13.1f} "
+                         f"{r['answer_tokens']:>7}")
+        for key, text in (("ours_vs_mlx_vlm_defaults", "ours / mlx-vlm, each with its default sampler"),
+                          ("ours_vs_mlx_vlm_entropy_bound", "ours / mlx-vlm, both EntropyBound"),
+                          ("ours_vs_mlx_vlm_confidence", "ours / mlx-vlm, both confidence threshold")):
+            if key in entry:
+                lines.append(f"{text}: {entry[key]:.2f}x answer tokens/s")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``mlx-dgemma bench --e2e``: run, print the table, write the JSON."""
+    from mlx_dgemma.demo import demo_file
+    from mlx_dgemma.errors import ParameterError
+
+    models = [m.strip() for m in (args.e2e_models or "").split(",") if m.strip()] or [str(demo_file())]
+    for m in models:
+        if not Path(m).exists():
+            raise ParameterError(f"--e2e-models: {m}: no such file; give GGUF files (default: the trained demo)")
+    if not 1 <= args.e2e_prompts <= len(PROMPTS):
+        raise ParameterError(f"--e2e-prompts {args.e2e_prompts}: must be in [1, {len(PROMPTS)}]")
+    prompts = list(PROMPTS[: args.e2e_prompts])
+    result = run_e2e(models, prompts, list(range(len(prompts))), timeout=args.child_timeout)
+    print(e2e_table(result))
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.json}", file=sys.stderr)
+    return 0

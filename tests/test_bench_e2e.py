@@ -1,0 +1,65 @@
+"""``bench --e2e`` on a tiny random model: both loops run (ours and mlx-vlm's own), the rows hold
+what the table promises, and the definitions (answer tokens up to the end of the turn, tokens/s
+as a ratio of sums) hold. No timing is asserted."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from mlx_dgemma.bench.e2e import _answer_tokens, _summary, e2e_ours, e2e_table, main
+
+OVERRIDES = {"max_denoising_steps": 3, "max_new_tokens": 32}  # one block of the tiny model's canvas
+
+
+def test_answer_tokens_stop_before_the_first_eos():
+    assert _answer_tokens([5, 7, 106, 9, 1], (1, 106, 50)) == [5, 7]
+    assert _answer_tokens([5, 7], (1,)) == [5, 7]
+    assert _answer_tokens([1, 5], (1,)) == []
+
+
+def test_summary_is_a_ratio_of_sums():
+    runs = [{"answer_ids": [1] * 6, "wall_s": 2.0, "prefill_s": 0.5, "first_block_s": 1.0, "prompt_tokens": 10,
+             "steps_per_block": [3]},
+            {"answer_ids": [1] * 2, "wall_s": 6.0, "prefill_s": 1.5, "first_block_s": 3.0, "prompt_tokens": 20,
+             "steps_per_block": [4, 5]}]
+    r = _summary("x", "y", runs)
+    assert r["answer_tokens_per_s"] == pytest.approx(8 / 8.0)
+    assert r["mean_steps_per_block"] == pytest.approx(12 / 3)
+    assert r["s_per_step"] == pytest.approx((8.0 - 2.0) / 12)
+    assert r["tokens_per_forward"] == pytest.approx(8 / 12)
+    assert r["prefill_tokens_per_s"] == pytest.approx(30 / 2.0)
+    assert r["median_first_block_s"] == pytest.approx(2.0)
+
+
+def test_both_loops_on_a_tiny_model(tiny_gguf):
+    pytest.importorskip("mlx_vlm", reason="the peer: pip install -e '.[bench]'")
+    from mlx_dgemma.bench.e2e import e2e_mlx_vlm
+
+    model = str(tiny_gguf)
+    ours = e2e_ours(model, ["hi there"], [0], overrides=OVERRIDES, warmup=False)
+    conf = e2e_ours(model, ["hi there"], [0], overrides={**OVERRIDES, "accept_probability": 0.9}, warmup=False)
+    vlm = e2e_mlx_vlm(model, ["hi there"], [0], overrides=OVERRIDES, warmup=False)
+    vlm_eb = e2e_mlx_vlm(model, ["hi there"], [0], sampler="entropy-bound", overrides=OVERRIDES, warmup=False)
+    for row in (ours, conf, vlm, vlm_eb):
+        assert row["blocks"] == 1 and 1 <= row["steps"] <= 3
+        (run,) = row["runs"]
+        assert run["prompt_tokens"] == ours["runs"][0]["prompt_tokens"]  # the same prompt ids
+        assert len(run["answer_ids"]) <= 32 and not set(run["answer_ids"]) & {1, 106, 50}
+        assert 0 < run["first_block_s"] <= run["wall_s"]
+    assert ours["sampler"] == "EntropyBound" and conf["sampler"] == "confidence threshold 0.9"
+    assert vlm["sampler"] == "confidence threshold 0.9" and vlm_eb["sampler"] == "EntropyBound"
+    table = e2e_table({"machine": {"platform": "p", "device": "cpu", "mlx": "0"}, "prompts": ["hi there"],
+                       "models": {model: {"ours-default": ours, "mlx-vlm-default": vlm,
+                                          "ours_vs_mlx_vlm_defaults": 1.5}}})
+    assert "mlx-vlm dense f32" in table and "mlx-dgemma" in table and "1.50x" in table
+
+
+def test_missing_model_is_one_line(tmp_path):
+    from mlx_dgemma.errors import ParameterError
+
+    args = argparse.Namespace(e2e_models=str(tmp_path / "nope.gguf"), e2e_prompts=1, child_timeout=10,
+                              json=str(tmp_path / "e.json"))
+    with pytest.raises(ParameterError, match="--e2e-models: .*nope.gguf: no such file"):
+        main(args)
