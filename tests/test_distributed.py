@@ -98,6 +98,7 @@ def test_chat_and_serve_refuse_several_ranks(command, monkeypatch, capsys):
             return 2
 
     monkeypatch.setattr(distributed, "world", lambda: TwoRanks())
+    monkeypatch.setenv("MLX_RANK", "0")  # what mlx.launch sets: the command line looks for a group only then
     assert main([command, "--demo"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "runs in one process" in err[0] and "generate" in err[0], err
