@@ -399,7 +399,14 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
         check_text(args.system, "--system")
     args.model = model
-    precision = planned_precision(args)  # a model that does not fit is refused before the app starts
+    from .errors import MemoryBudgetError
+
+    try:
+        precision = planned_precision(args)  # a model that does not fit is refused before the app starts
+    except MemoryBudgetError:
+        raise
+    except DGemmaError:  # a file that cannot be read: the app says why and offers the demo
+        precision = args.precision
     return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
                    think=args.think, system=args.system)
 
@@ -441,11 +448,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     args.model = resolve_model(args.model, args.demo)
     with interrupt_after_imports():
         from .demo import DEMO_NOTICES
-        from .server import main as serve_main
+        from .server import check_args, main as serve_main
+    check_args(args)  # a bad flag is the one line printed, before the notice and the memory plan
+    args.precision = planned_precision(args)  # refused before the server starts if it does not fit
     if args.demo:
         print(f"[demo] {DEMO_NOTICES['trained']}", file=sys.stderr, flush=True)
-
-    args.precision = planned_precision(args)  # refused before the server starts if it does not fit
     return serve_main(args)
 
 
@@ -622,7 +629,9 @@ def main(argv: list[str] | None = None) -> int:
 
         quiet_other_ranks(args.command)  # under mlx.launch rank 0 alone prints; chat and serve refuse
         with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C
-            return int(args.func(args) or 0)
+            code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at the interpreter's exit
+        return code
     except DGemmaError as e:
         if _debug(args, argv):
             raise
@@ -635,6 +644,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{_who(args)}: interrupted; nothing partial was kept", file=sys.stderr)
         return 128 + e.signum if isinstance(e, Terminated) else 130
+    except BrokenPipeError:
+        # the reader went away (`mlx-dgemma plan M | head -1`): stop quietly, as cat and grep do;
+        # stdout is pointed at /dev/null so the interpreter's final flush cannot fail again
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
 
 
 def _who(args: argparse.Namespace | None) -> str:

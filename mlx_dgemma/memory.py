@@ -167,7 +167,8 @@ def _cgroup_headroom() -> int:
 
 
 def gb(n: int) -> str:
-    return f"{n / 2**30:.2f} GB" if n >= 2**30 / 10 else f"{n / 2**20:.0f} MB"
+    """Bytes as people and --memory-limit read them: GB = 10^9 (as the README's tables), MB = 10^6."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
 
 
 def check_fits(est: MemoryEstimate, prompt_tokens: int, available: int | None = None) -> None:

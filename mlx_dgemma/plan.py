@@ -110,7 +110,7 @@ class Plan:
             lines.append(f"  {r.precision:<10}{gb(r.weights_bytes):>10}{gb(r.kv_bytes):>10}{gb(r.working_bytes):>10}"
                          f"{gb(r.needed_bytes):>10}  {fits}")
         best = self.best_fit()
-        lines.append(f"  auto loads: {best}" if best else "  auto: nothing fits; see README, Which Mac")
+        lines.append(f"  auto loads: {best}" if best else "  auto: nothing fits; see README, Runtime precision (which Mac)")
         return lines
 
 

@@ -36,7 +36,7 @@ from mlx.utils import tree_map_with_path
 
 import numpy as np
 
-from .errors import ParameterError
+from .errors import ModelFilesError, ParameterError
 from .schema import QuantSpec
 from .tiers import FAST_BITS, FAST_GROUP, PRECISIONS, TIERS, Target, requantize, stored_precision, target
 
@@ -126,7 +126,7 @@ def _is_quantized(m: nn.Module) -> bool:
     return "scales" in m and hasattr(m, "bits") and hasattr(m, "subblock")
 
 
-def _requantize_module(m: nn.Module, goal: Target) -> None:
+def _requantize_module(m: nn.Module, goal: Target, path: str) -> None:
     """A quantized module's weight -> ``goal``'s form, in place, through the one re-quantizer
     (:func:`mlx_dgemma.tiers.requantize`, NumPy: the same numbers ``convert --precision`` writes).
 
@@ -142,7 +142,10 @@ def _requantize_module(m: nn.Module, goal: Target) -> None:
     for i in range(0, lead, step):
         full = mx.dequantize(w[i:i + step], s[i:i + step].astype(mx.float32), b[i:i + step].astype(mx.float32),
                              group_size=m.group_size, bits=m.bits)
-        r = requantize(np.array(unpad_subblocks(full, m.subblock)), goal)
+        try:
+            r = requantize(np.array(unpad_subblocks(full, m.subblock)), goal)
+        except OverflowError as e:  # as convert --precision refuses it: one line naming the weight
+            raise ModelFilesError(f"{path}.weight: {e}; load it with --precision exact") from None
         parts.append((mx.array(r.weight), mx.array(r.scales), mx.array(r.biases)))
         mx.eval(*parts[-1])
     m.weight = mx.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
@@ -183,7 +186,7 @@ def apply_precision(model: nn.Module, precision: Precision, quantization: dict |
             continue
         goal = _goal(precision.name, path, m, specs, layers)
         if goal is not None and (m.bits, m.group_size, m.subblock) != (goal.bits, goal.group_size, 32):
-            _requantize_module(m, goal)
+            _requantize_module(m, goal, path)
         # the tiers' float16 scales stay float16 beside float32 activations (half the memory)
         keep = precision.lossy_weights and dt == mx.float32 and m["scales"].dtype == mx.float16
         if m["scales"].dtype != dt and not keep:

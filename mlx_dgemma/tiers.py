@@ -50,8 +50,8 @@ LOSSY_ON_DISK = ("fast", "q4", "q3")  # what ``convert --precision`` can write b
 TIER_HELP = {
     "exact": "bit-exact weights, float32 (verify's and the parity tests' form)",
     "fast": "exact integers, half-precision scales, Q6_K head re-quantized to 8 bits",
-    "q4": "lossy: experts 4-bit, the rest 5-6 bits (14.2 GB at full size): fits a 24 GB Mac",
-    "q3": "lossier: experts 3-bit, the rest 4-6 bits (11.3 GB at full size): aimed at a 16 GB Mac",
+    "q4": "experts 4-bit, the rest 5-6 bits (14.2 GB at full size): fits a 24 GB Mac",
+    "q3": "experts 3-bit, the rest 4-6 bits (11.3 GB at full size): aimed at a 16 GB Mac",
 }
 
 # Padded sub-block types (Q2_K, Q3_K, Q6_K) in fast: 8 bits keeps their 6-bit (or fewer) values

@@ -309,3 +309,15 @@ def test_progress_eta_only_when_meaningful(monkeypatch):
     assert "left" not in first and "0:01 elapsed, estimating" in first
     assert "1:00 elapsed, ~9:00 left" in second
     assert "1:00:00 elapsed, ~4:00:00 left" in third
+
+
+def test_a_closed_pipe_is_a_quiet_stop(tiny_gguf):
+    """`mlx-dgemma plan M | head -1`: the reader leaves early; no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_dgemma", "plan", str(tiny_gguf)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # as `head` does once it has its line (here: before any)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

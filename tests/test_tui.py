@@ -812,3 +812,17 @@ async def test_quit_during_an_answer_says_stopping_and_waits_for_the_engine():
     assert not app.engine_running()  # joined before the app exits: no thread left inside MLX
     assert backend.produced < 200 and app.return_code == 0
     assert chat.trace.steps  # what was drawn stays; nothing after the quit was
+
+
+async def test_ctrl_q_quits_from_the_settings_dialog():
+    """A modal screen must not swallow Ctrl+Q (the footer still offers it there)."""
+    backend = ScriptedBackend(steps=2, blocks=1)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        await pilot.press("ctrl+o")
+        assert isinstance(app.screen, SettingsScreen)
+        assert app.screen.query_one("#set-accept_probability").placeholder == "off: EntropyBound"  # not "random"
+        await pilot.press("ctrl+q")
+        await pilot.pause()
+    assert app.return_code == 0

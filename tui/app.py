@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from textual.app import App
+from textual.binding import Binding
 
 from mlx_dgemma.paths import user_path
 
@@ -24,7 +25,8 @@ QUIT_WAIT_S = 15.0
 class DGemmaApp(App):
     CSS_PATH = "dgemma.tcss"
     TITLE = "mlx-dgemma"
-    BINDINGS = [("ctrl+q", "quit", "Quit")]
+    # priority: Ctrl+Q quits from a modal screen too (the settings dialog would otherwise swallow it)
+    BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
     NOTIFICATION_TIMEOUT = 3  # seconds (Textual's 5 left toasts over the chart long after they were read)
 
     def __init__(self, backend: Backend | None = None, trace_dir: str | Path = ".", **kw):

@@ -24,11 +24,13 @@ FIELDS = [
     ("entropy_bound", "entropy bound", float),
     ("stability_threshold", "stability threshold", int),
     ("confidence_threshold", "confidence threshold", float),
-    ("accept_probability", "accept probability (empty = EntropyBound)", float),
+    ("accept_probability", "accept probability", float),
     ("max_new_tokens", "max new tokens", int),
     ("seed", "seed (empty = random)", int),
 ]
 LABELS = {name: label for name, label, _ in FIELDS}
+# what an empty field means where the model has no default (the placeholder)
+NO_DEFAULT = {"seed": "random", "accept_probability": "off: EntropyBound"}
 KIND_NAMES = {int: "a whole number", float: "a number"}
 
 
@@ -62,7 +64,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
                     v = self.values.get(name)
                     default = self.defaults.get(name)
                     yield Input(value="" if v is None else str(v), id=f"set-{name}",
-                                placeholder="random" if default is None else f"default {default}")
+                                placeholder=NO_DEFAULT.get(name, "none") if default is None else f"default {default}")
                 yield Label("thought channel")
                 yield Checkbox("think before answering", self.think, id="set-think")
                 yield Label("system prompt (new chat)")
