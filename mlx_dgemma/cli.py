@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         from .launch import quiet_other_ranks
 
-        quiet_other_ranks(args.command)  # under mlx.launch rank 0 alone prints; chat and serve refuse
+        quiet_other_ranks(args.command)  # under mlx.launch rank 0 alone prints; chat refuses
         with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C
             return int(args.func(args) or 0)
     except DGemmaError as e:
