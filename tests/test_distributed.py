@@ -164,20 +164,12 @@ def _serve_answers(post) -> list[str]:
     return texts
 
 
-@needs_ring
-def test_serve_under_mlx_launch(tmp_path, monkeypatch):
-    """`mlx.launch -n 2 -- python -m mlx_dgemma serve --demo`: rank 0 serves, rank 1 follows it;
-    seeded answers (a stop string mid-answer, a client that leaves mid-stream, a continued
-    conversation, a completion) are those of a one-process server; SIGTERM to rank 0 ends both
-    ranks (rank 1 by the shutdown rank 0 broadcasts)."""
+def _launch_serve(tmp_path: Path) -> tuple[subprocess.Popen, list[str]]:
+    """`mlx.launch -n 2 -- python -m mlx_dgemma serve --demo --port 0`, once rank 0 listens;
+    the launcher's stderr lines keep arriving in the list."""
     import os
     import re
-    import signal
     import threading
-
-    from fastapi.testclient import TestClient
-
-    from mlx_dgemma.server import Engine, create_app
 
     env = {**os.environ, "MLX_DGEMMA_CACHE": str(tmp_path)}
     proc = subprocess.Popen(LAUNCH + [sys.executable, "-m", "mlx_dgemma", "serve", "--demo", "--port", "0"],
@@ -193,8 +185,39 @@ def test_serve_under_mlx_launch(tmp_path, monkeypatch):
         ready.set()
 
     threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(120) or proc.poll() is not None:
+        proc.kill()
+        pytest.fail("serve did not start under mlx.launch:\n" + "".join(lines))
+    return proc, lines
+
+
+def _kill_all(proc: subprocess.Popen) -> None:
+    import os
+    import signal
+
+    if proc.poll() is None:
+        for p in _rank_pids(proc.pid).values():
+            os.kill(p, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
+@needs_ring
+def test_serve_under_mlx_launch(tmp_path, monkeypatch):
+    """`mlx.launch -n 2 -- python -m mlx_dgemma serve --demo`: rank 0 serves, rank 1 follows it;
+    seeded answers (a stop string mid-answer, a client that leaves mid-stream, a continued
+    conversation, a completion) are those of a one-process server; SIGTERM to rank 0 ends both
+    ranks (rank 1 by the shutdown rank 0 broadcasts)."""
+    import os
+    import re
+    import signal
+
+    from fastapi.testclient import TestClient
+
+    from mlx_dgemma.server import Engine, create_app
+
+    proc, lines = _launch_serve(tmp_path)
     try:
-        assert ready.wait(120) and proc.poll() is None, "".join(lines)
         url = re.search(r"on (http://[\d.]+:\d+)/v1", "".join(lines)).group(1)
         # a client that leaves mid-stream first: rank 0 cancels, rank 1 must stop at the same step
         _leave_stream(url, {"messages": [{"role": "user", "content": "Speak"}], "seed": 5, "max_tokens": 192,
@@ -208,16 +231,32 @@ def test_serve_under_mlx_launch(tmp_path, monkeypatch):
         log = "".join(lines)
         assert "finish=cancelled" in log and "stopped" in log and "send/recv errors" not in log, log
     finally:
-        if proc.poll() is None:
-            for p in _rank_pids(proc.pid).values():
-                os.kill(p, signal.SIGKILL)
-            proc.kill()
-            proc.wait()
+        _kill_all(proc)
     monkeypatch.setenv("MLX_DGEMMA_CACHE", str(tmp_path))
     with TestClient(create_app(Engine(demo=True))) as client:  # one process, the same requests
         ref = _serve_answers(lambda path, body: client.post(path, json=body).json())
     assert got == ref, (got, ref)
     assert int(got[2]) > 0 and all(len(t) > 3 for t in got[:2] + got[3:]), got
+
+
+@needs_ring
+@pytest.mark.slow  # reason: a third two-rank launch of the demo (~20 s); the clean stop is tested above
+def test_serve_follower_leaves_when_rank_0_dies(tmp_path):
+    """SIGKILL to rank 0 (no shutdown sent): rank 1's next collective fails, it says so in one
+    line and exits, and the launcher returns; nothing is left blocked."""
+    import os
+    import signal
+
+    proc, lines = _launch_serve(tmp_path)
+    try:
+        ranks = _rank_pids(proc.pid)
+        os.kill(ranks[0], signal.SIGKILL)
+        proc.wait(60)
+        log = "".join(lines)
+        assert "[rank 1] mlx-dgemma serve: error: lost rank 0" in log, log
+        assert not Path(f"/proc/{ranks[1]}/cmdline").exists() or not Path(f"/proc/{ranks[1]}/cmdline").read_bytes()
+    finally:
+        _kill_all(proc)
 
 
 @needs_ring

@@ -224,9 +224,15 @@ def follow(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     model, tokenizer = load_model(args.model, args.demo, args.dtype, args.precision)
-    ModelRuntime(model, tokenizer).follow()
+    code = 0
+    try:
+        ModelRuntime(model, tokenizer).follow()
+    except Exception as e:  # noqa: BLE001 - the ring broke: rank 0 is gone
+        print(f"mlx-dgemma serve: error: lost rank 0 ({type(e).__name__}: {e}); this rank stops",
+              file=sys.stderr, flush=True)
+        code = 1
     sys.stdout.flush()
-    os._exit(0)  # as rank 0 does: no C++ static destructors racing MLX state at exit
+    os._exit(code)  # as rank 0 does: no C++ static destructors racing MLX state at exit
 
 
 def main(args: argparse.Namespace) -> int:
