@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         from .launch import quiet_other_ranks
 
-        quiet_other_ranks(args.command)  # under mlx.launch rank 0 alone prints; chat and serve refuse
+        quiet_other_ranks(args.command)  # under mlx.launch rank 0 alone prints; chat refuses
         with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C
             code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at the interpreter's exit

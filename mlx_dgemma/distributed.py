@@ -273,4 +273,4 @@ def refuse_ranks(command: str) -> None:
     g = world()
     if g is not None:
         raise ParameterError(f"{command} runs in one process, not under mlx.launch ({g.size()} ranks); "
-                             "across several Macs use `mlx-dgemma generate` (README: Several Macs)")
+                             "across several Macs use `mlx-dgemma generate` or `serve` (README: Several Macs)")

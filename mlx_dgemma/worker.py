@@ -69,11 +69,14 @@ class ModelWorker(Generic[R]):
 
     ``load`` runs first, on the worker thread; what it returns is :attr:`runtime`.
     ``max_waiting`` bounds the jobs that may wait behind the running one (None: unbounded).
+    ``finish`` runs last on the worker thread once it stops after a successful load (a
+    sharded model's runtime tells the other ranks to exit there: see ``mlx_dgemma.lockstep``).
     """
 
     def __init__(self, load: Callable[[], R], *, max_waiting: int | None = None,
-                 name: str = "mlx-dgemma-worker"):
+                 name: str = "mlx-dgemma-worker", finish: Callable[[], None] | None = None):
         self._load = load
+        self._finish = finish
         self.max_waiting = max_waiting
         self.runtime: R | None = None
         self.current: Ticket | None = None
@@ -174,6 +177,16 @@ class ModelWorker(Generic[R]):
             self._ready.set()
             return
         self._ready.set()
+        try:
+            self._loop()
+        finally:
+            if self._finish is not None:
+                try:
+                    self._finish()
+                except Exception:  # noqa: BLE001 - the thread ends anyway
+                    log.exception("finish failed")
+
+    def _loop(self) -> None:
         while True:
             ticket = self._next()
             if ticket is None:

@@ -76,3 +76,21 @@ def test_stop_cancels_the_running_job_and_joins():
     w.submit(long_job)
     assert started.wait(10)
     assert w.stop(timeout=10) and seen == ["stopped at a check"]
+
+
+def test_finish_runs_last_on_the_worker_thread_and_not_after_a_failed_load():
+    # a sharded model's runtime tells the other ranks to leave there (mlx_dgemma.lockstep)
+    seen = []
+    w = ModelWorker(lambda: None, finish=lambda: seen.append(threading.current_thread().name), name="w")
+    w.start()
+    w.submit(lambda t: seen.append("job")).done.wait(5)
+    assert w.stop() and seen == ["job", "w"]
+
+    def fail():
+        raise ValueError("no model")
+
+    w = ModelWorker(fail, finish=lambda: seen.append("finish"))
+    with pytest.raises(ValueError):
+        w.start()
+    w.stop()
+    assert seen == ["job", "w"]

@@ -209,6 +209,32 @@ def _settings(args: argparse.Namespace) -> tuple[Any, Any]:
     return limits, settings
 
 
+def follow(args: argparse.Namespace) -> int:
+    """A rank > 0 of ``serve`` under ``mlx.launch``: load this rank's slices of the model and run
+    every model call rank 0's server makes (``ModelRuntime.follow``) until it shuts down.
+
+    Ctrl+C reaches every local rank: this one ignores it and leaves when rank 0, which stops
+    on it, says so (rank 0 gone without a word: the ring's connection breaks and the
+    launcher ends the other ranks)."""
+    import signal
+
+    from mlx_dgemma.lockstep import ModelRuntime
+
+    from .engine import load_model
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    model, tokenizer = load_model(args.model, args.demo, args.dtype, args.precision)
+    code = 0
+    try:
+        ModelRuntime(model, tokenizer).follow()
+    except Exception as e:  # noqa: BLE001 - the ring broke: rank 0 is gone
+        print(f"mlx-dgemma serve: error: lost rank 0 ({type(e).__name__}: {e}); this rank stops",
+              file=sys.stderr, flush=True)
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)  # as rank 0 does: no C++ static destructors racing MLX state at exit
+
+
 def main(args: argparse.Namespace) -> int:
     """``mlx-dgemma serve``: check the flags, listen, load the model, serve until interrupted."""
     if args.api_key is None:
@@ -217,6 +243,10 @@ def main(args: argparse.Namespace) -> int:
     from mlx_dgemma.loader import check_model_choice
 
     check_model_choice(args.model, args.demo)
+    from mlx_dgemma.launch import launched, launched_rank
+
+    if launched() and launched_rank() > 0:  # under mlx.launch: rank 0 serves, this rank follows it
+        return follow(args)
     limits, settings = _settings(args)
     _raise_fd_limit(args.max_connections)
     sock = listen(args.host, args.port)  # before loading: a taken port fails fast

@@ -135,9 +135,10 @@ class Engine:
         self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "steps": 0,
                        "cancelled": 0, "refused": 0}
         self._session: Any = None  # the last conversation's ChatSession, if reusable
+        self.runtime: Any = None  # the core's ModelRuntime: every rank runs the model calls (lockstep)
         self._durations: deque[float] = deque(maxlen=32)  # seconds of recent jobs (for Retry-After)
         self.worker: ModelWorker[None] = ModelWorker(self._load, max_waiting=self.limits.queue_size,
-                                                     name="mlx-dgemma-engine")
+                                                     name="mlx-dgemma-engine", finish=self._finish)
 
     # lifecycle ------------------------------------------------------------
     def start(self) -> "Engine":
@@ -169,6 +170,7 @@ class Engine:
 
     def _load(self) -> None:
         from mlx_dgemma.generation import precision_label
+        from mlx_dgemma.lockstep import ModelRuntime
         from mlx_dgemma.memory import memory_bytes
 
         self.model, self.tokenizer = load_model(self.model_path, self.demo, self.dtype_name, self.precision_name)
@@ -179,6 +181,12 @@ class Engine:
         self.max_token_bytes = max((len(t.encode("utf-8", "replace")) for t in self.tokenizer.tokens), default=1)
         self.markers = marker_ids(self.tokenizer)
         self.memory_bytes = memory_bytes()
+        self.runtime = ModelRuntime(self.model, self.tokenizer, self.generation_config)
+
+    def _finish(self) -> None:
+        """The worker stops: under mlx.launch the other ranks leave their follower loop."""
+        if self.runtime is not None:
+            self.runtime.shutdown()
 
     # queueing -------------------------------------------------------------
     def retry_after(self) -> int:
@@ -382,24 +390,20 @@ class Engine:
         return check
 
     def _run_completion(self, job: Job) -> None:
-        from mlx_dgemma import stream_generate
-
-        events = stream_generate(self.model, self.tokenizer, job.prompt, generation_config=self.generation_config,
-                                 chat=False, cancel=self._cancelled(job), **job.params)
+        events = self.runtime.generate(job.prompt, chat=False, cancel=self._cancelled(job), **job.params)
         self._consume(job, events, lambda: 0)
 
     def _run_chat(self, job: Job) -> None:
-        from mlx_dgemma import ChatSession
-
+        rt = self.runtime
         earlier, user = job.prompt[:-1], job.prompt[-1]["content"]
         s, self._session = self._session, None  # reusable again only if this turn ends cleanly
-        if s is None or s.enable_thinking != job.enable_thinking:
-            s = ChatSession(self.model, self.tokenizer, self.generation_config, enable_thinking=job.enable_thinking)
+        if s is None or s is not rt.session or s.enable_thinking != job.enable_thinking:
+            rt.new_chat(enable_thinking=job.enable_thinking)  # on every rank, under mlx.launch
+        s = rt.session
         # The session reuses its cache only where its tokens are a prefix of this conversation's
         # fresh render (another client's conversation, an edited answer: encoded afresh), so the
         # answer never depends on what came before this request.
-        s.messages = [dict(m) for m in earlier]
-        result, clean = self._consume(job, s.stream(user, cancel=self._cancelled(job), **job.params),
+        result, clean = self._consume(job, rt.chat(user, cancel=self._cancelled(job), messages=earlier, **job.params),
                                       lambda: s.cached_tokens)
         if clean and result is not None:
             self._session = s
