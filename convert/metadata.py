@@ -8,21 +8,13 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
 from mlx_dgemma.errors import NonFiniteError
+from mlx_dgemma.params import gguf_keys
 from mlx_dgemma.schema import ModelArgs, generation_defaults
 
 from .errors import ConvertError
 
 ARCH = "diffusion-gemma"
 
-# GGUF keys overriding the sampler defaults (mlx_dgemma.schema.SamplerDefaults).
-_GGUF_GENERATION_KEYS = {
-    "diffusion.eb_max_steps": ("max_denoising_steps", int),
-    "diffusion.eb_t_min": ("t_min", float),
-    "diffusion.eb_t_max": ("t_max", float),
-    "diffusion.eb_entropy_bound": ("entropy_bound", float),
-    "diffusion.eb_stability_threshold": ("stability_threshold", int),
-    "diffusion.eb_confidence_threshold": ("confidence_threshold", float),
-}
 # Arrays longer than this are tokenizer payloads; they are read separately.
 _SMALL_ARRAY = 4096
 
@@ -164,9 +156,9 @@ def _shortest(v: Any) -> float:
 def generation_config(md: dict[str, Any]) -> dict[str, Any]:
     """Sampler defaults, overridden by the GGUF's optional ``diffusion.eb_*`` keys."""
     cfg = generation_defaults()
-    for key, (name, kind) in _GGUF_GENERATION_KEYS.items():
+    for key, param in gguf_keys().items():  # the GGUF keys overriding them (mlx_dgemma.params)
         if key in md:
-            cfg[name] = _shortest(md[key]) if kind is float else kind(md[key])
+            cfg[param.name] = _shortest(md[key]) if param.kind is float else param.kind(md[key])
     cfg["bos_token_id"] = int(md.get("tokenizer.ggml.bos_token_id", 2))
     cfg["mask_token_id"] = int(md.get("tokenizer.ggml.mask_token_id", 4))
     return cfg

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .errors import DGemmaError, Terminated, terminate_as_interrupt
+from .params import flags  # generation parameter -> its flag (standard library only)
 
 if TYPE_CHECKING:
     from .events import StepEvent
@@ -101,20 +102,12 @@ DEMO_HELP = ("the built-in demo model: a tiny model trained on the King James Bi
 
 
 def add_sampler_args(p: argparse.ArgumentParser) -> None:
+    """One flag per generation parameter of the registry (``mlx_dgemma.params``, standard library)."""
+    from .params import PARAMS
+
     g = p.add_argument_group("sampler (defaults from the model's generation_config.json)")
-    g.add_argument("--max-tokens", type=int, dest="max_new_tokens", metavar="N",
-                   help="new tokens (rounded up to whole canvases)")
-    g.add_argument("--steps", type=int, dest="max_denoising_steps", metavar="N", help="max denoising steps per block")
-    g.add_argument("--t-min", type=float, metavar="T", help="final temperature of the linear schedule")
-    g.add_argument("--t-max", type=float, metavar="T", help="first-step temperature")
-    g.add_argument("--entropy-bound", type=float, metavar="X", help="EntropyBound acceptance budget")
-    g.add_argument("--stability-threshold", type=int, metavar="N", help="identical argmax canvases needed to stop")
-    g.add_argument("--confidence-threshold", type=float, metavar="X", help="mean entropy needed to stop")
-    g.add_argument("--sc-top-k", type=int, metavar="K", help="approximate self-conditioning with the top K tokens")
-    g.add_argument("--accept-probability", type=float, metavar="P",
-                   help="confidence-threshold acceptance instead of EntropyBound: reveal a position once its "
-                        "top probability reaches P (mlx-vlm's default: 0.9); fewer steps, answers differ")
-    g.add_argument("--seed", type=int, metavar="N", help="make the run reproducible")
+    for param in PARAMS:
+        g.add_argument(param.flag, type=param.kind, dest=param.name, metavar=param.metavar, help=param.help)
 
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
@@ -145,19 +138,12 @@ def planned_precision(args: argparse.Namespace) -> str:
     return plan_model(args.model, limit).choose(args.precision)
 
 
-# generation parameter -> the flag that sets it (errors name what the user typed)
-FLAGS = {"max_new_tokens": "--max-tokens", "max_denoising_steps": "--steps", "t_min": "--t-min",
-         "t_max": "--t-max", "entropy_bound": "--entropy-bound", "stability_threshold": "--stability-threshold",
-         "confidence_threshold": "--confidence-threshold", "sc_top_k": "--sc-top-k", "seed": "--seed",
-         "accept_probability": "--accept-probability"}
-
-
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The sampler flags given, checked one by one (range, finiteness) before any loading (and
     before MLX is imported: the rules live in ``validate``, standard library only)."""
     from .validate import check_generation_field as check_field
 
-    out = {k: getattr(args, k) for k in FLAGS if getattr(args, k, None) is not None}
+    out = {k: getattr(args, k) for k in flags() if getattr(args, k, None) is not None}
     for k, v in out.items():
         with flag_errors(out):
             check_field(k, v)
@@ -174,7 +160,7 @@ def flag_errors(overrides: dict[str, Any]) -> Iterator[None]:
     except ParameterError as e:
         if e.param not in overrides or not e.rule:
             raise
-        raise ParameterError(f"{FLAGS[e.param]} {overrides[e.param]!r}: must be {e.rule}",
+        raise ParameterError(f"{flags()[e.param]} {overrides[e.param]!r}: must be {e.rule}",
                              param=e.param, rule=e.rule) from e
 
 
@@ -186,7 +172,8 @@ def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | Non
     try:
         SamplerParams.from_config(generation_config, **overrides)
     except ParameterError as e:
-        if e.name not in FLAGS:
+        flag = flags()  # generation parameter -> the flag that sets it (errors name what the user typed)
+        if e.name not in flag:
             raise
         if e.name == "t_max" and "t_max" not in overrides:  # only --t-min was given: name it
             t_max = SamplerParams.from_config(generation_config).t_max
@@ -195,7 +182,7 @@ def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | Non
         t_min = overrides.get("t_min", (generation_config or {}).get("t_min", SamplerParams.t_min))
         rule = {"sc_top_k": "an integer >= 1 (leave --sc-top-k out for exact self-conditioning)",
                 "t_max": f"above the final temperature (--t-min, {t_min})"}.get(e.name, e.rule)
-        raise ParameterError(f"{FLAGS[e.name]} {overrides.get(e.name)}: must be {rule}") from None
+        raise ParameterError(f"{flag[e.name]} {overrides.get(e.name)}: must be {rule}") from None
 
 
 def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precision: str = "auto",

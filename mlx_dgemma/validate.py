@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import params
 from .errors import ModelFilesError, ParameterError
 from .paths import input_problem
 
@@ -26,26 +27,13 @@ ARCH = "diffusion-gemma"
 # ---------------------------------------------------------------------------------------------
 # Generation parameters (generation_config.json, GGUF diffusion.eb_* keys, CLI flags, API)
 
-# Temperatures divide logits softcapped to +-30: below 1e-3 (denormals included) the scaled
-# logits leave float32's range and the step computes NaN; above 1e3 every draw is uniform.
-_TEMPERATURE = (1e-3, 1e3)
+# the range rules: the registry's parameters (mlx_dgemma.params), and the token ids the model's
+# generation_config.json carries beside them
 GENERATION_RULES: dict[str, tuple[str, Any, Any, str]] = {  # name: (kind, low, high, rule text)
-    "max_denoising_steps": ("int", 1, 10_000, "an integer in [1, 10000]"),
-    "t_min": ("float", *_TEMPERATURE, "a temperature in [0.001, 1000]"),
-    "t_max": ("float", *_TEMPERATURE, "a temperature in [0.001, 1000]"),
-    "entropy_bound": ("float", 1e-12, 1e9, "a number in [1e-12, 1e9]"),
-    # the stopping rule keeps stability_threshold canvases on the device: bounded like the steps
-    "stability_threshold": ("int", 0, 10_000, "an integer in [0, 10000]"),
-    "confidence_threshold": ("float", 1e-12, 1e9, "a number in [1e-12, 1e9]"),
-    "max_new_tokens": ("int", 1, 10_000_000, "an integer in [1, 10000000]"),
+    **{p.name: (p.kind.__name__, p.low, p.high, p.rule) for p in params.PARAMS},
     "pad_token_id": ("int", 0, 2**31 - 1, "a token id in [0, 2**31 - 1]"),
     "bos_token_id": ("int", 0, 2**31 - 1, "a token id in [0, 2**31 - 1]"),
     "mask_token_id": ("int", 0, 2**31 - 1, "a token id in [0, 2**31 - 1]"),
-    "seed": ("int", 0, 2**64 - 1, "an integer in [0, 2**64 - 1]"),
-    # sc_top_k: the vocabulary size caps it too, checked once the model is known (SamplerParams)
-    "sc_top_k": ("int", 1, 2**31 - 1, "an integer >= 1 (leave it out for exact self-conditioning), at most the "
-                 "vocabulary size"),
-    "accept_probability": ("float", 0.0, 1.0, "a probability in [0, 1] (leave it out for EntropyBound)"),
 }
 
 
@@ -58,16 +46,17 @@ def _is_num(v: Any) -> bool:
 
 
 def check_generation_field(name: str, value: Any) -> None:
-    """One generation parameter against its type and range (None allowed for seed, sc_top_k,
-    accept_probability: the run's own settings, off by default)."""
+    """One generation parameter against its type and range (None allowed for the run's own
+    settings, off by default: ``model_default=False`` in the registry)."""
     if name == "eos_token_id":
         ids = value if isinstance(value, (list, tuple)) else [value]
         if not ids or not all(_is_int(i) and 0 <= i < 2**31 for i in ids):
             raise ParameterError(f"eos_token_id = {value!r}: must be a token id or a list of token ids",
                                  param=name, rule="a token id or a list of token ids")
         return
-    rule = GENERATION_RULES.get(name)
-    if rule is None or (value is None and name in ("seed", "sc_top_k", "accept_probability")):
+    param = params.get(name)
+    rule = (param.kind.__name__, param.low, param.high, param.rule) if param else GENERATION_RULES.get(name)
+    if rule is None or (value is None and param is not None and not param.model_default):
         return
     kind, low, high, text = rule
     ok = (_is_int(value) if kind == "int" else _is_num(value)) and low <= value <= high
@@ -344,10 +333,6 @@ _GGUF_KEYS: dict[str, tuple[str, float, float, bool]] = {
     "tokenizer.chat_template": ("str", 0, 0, False),
 }
 _TOKEN_IDS = ("bos", "eos", "unknown", "padding", "mask")
-_GGUF_GENERATION = {"diffusion.eb_max_steps": "max_denoising_steps", "diffusion.eb_t_min": "t_min",
-                    "diffusion.eb_t_max": "t_max", "diffusion.eb_entropy_bound": "entropy_bound",
-                    "diffusion.eb_stability_threshold": "stability_threshold",
-                    "diffusion.eb_confidence_threshold": "confidence_threshold"}
 
 
 def _kind_ok(kind: str, v: Any) -> bool:
@@ -408,10 +393,10 @@ def check_gguf_metadata(md: dict[str, Any], kinds: dict[str, tuple[str, str | No
         raise ModelFilesError(f"{source}: diffusion.canvas_length = {canvas}{shown}: expected at most {ctx - 1}, "
                               f"below {_P}context_length = {ctx} (a canvas and its prompt must fit in the "
                               "context); the file is not a valid DiffusionGemma GGUF")
-    for key, name in _GGUF_GENERATION.items():
+    for key, param in params.gguf_keys().items():  # diffusion.eb_*: sampler defaults
         if key in md:
             try:
-                check_generation_field(name, md[key])
+                check_generation_field(param.name, md[key])
             except ParameterError as e:
                 bad(key, e.rule or "a valid value")
     # tokenizer: arrays checked by type and length (md only summarizes long ones)

@@ -2,27 +2,25 @@
 
 Strict like the OpenAI API ("0.5" is not a number, 1.0 not an integer), unknown fields
 ignored (OpenAI clients send extras freely). Our sampler's settings are extra top-level
-fields whose types and ranges are the core's (``mlx_dgemma.validate.GENERATION_RULES``):
-declared there once, read here.
+fields generated from the core's parameter registry (``mlx_dgemma.params``): each field's
+type, range and description declared there once.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from mlx_dgemma.validate import GENERATION_RULES
+from mlx_dgemma import params
 
-# our sampler's settings, accepted as extra top-level request fields
-SAMPLER_FIELDS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
-                  "confidence_threshold", "sc_top_k", "accept_probability")
+# our sampler's settings (seed included), accepted as extra top-level request fields
+SAMPLER_FIELDS = params.server_fields()
 
 
-def _rule(name: str) -> Any:
-    """``int | None`` or ``float | None`` with the core's range for generation parameter ``name``."""
-    kind, low, high, text = GENERATION_RULES[name]
-    return Annotated[int if kind == "int" else float, Field(ge=low, le=high, description=text)] | None
+def _rule(p: params.Param) -> Any:
+    """``int | None`` or ``float | None`` with the registry's range for generation parameter ``p``."""
+    return Annotated[p.kind, Field(ge=p.low, le=p.high, description=p.rule)] | None
 
 
 def check_unicode(text: str) -> str:
@@ -67,28 +65,27 @@ class Message(Body):
         raise ValueError("expected a string or a list of text parts")
 
 
-class Sampling(Body):
-    """The fields chat and text completions share."""
+def sampling_fields() -> type[Body]:
+    """The fields chat and text completions share, in the order a request's first error is
+    found: OpenAI's, then one per registry parameter with ``server=True``, then the rest."""
+    return create_model(
+        "SamplingFields", __base__=Body,
+        model=(str | None, None),
+        max_tokens=(int | None, Field(None, ge=1)),  # beyond the context: 413, checked against the model
+        temperature=(float | None, Field(None, ge=0, le=2)),
+        top_p=(float | None, Field(None, ge=0, le=1)),  # accepted for compatibility; the sampler has no top-p
+        **{p.name: (_rule(p), None) for p in params.PARAMS if p.server},
+        stop=(Any, Field(None, validate_default=True)),
+        stream=(bool, False),
+        stream_options=(StreamOptions | None, None),
+        n=(int, 1),
+        diffusion=(DiffusionOptions | None, None),
+        response_format=(Any, None),
+    )
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)  # beyond the context: 413, checked against the model
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)  # accepted for compatibility; the sampler has no top-p
-    seed: _rule("seed") = None
-    stop: Any = Field(None, validate_default=True)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
-    max_denoising_steps: _rule("max_denoising_steps") = None
-    t_min: _rule("t_min") = None
-    t_max: _rule("t_max") = None
-    entropy_bound: _rule("entropy_bound") = None
-    stability_threshold: _rule("stability_threshold") = None
-    confidence_threshold: _rule("confidence_threshold") = None
-    sc_top_k: _rule("sc_top_k") = None
-    accept_probability: _rule("accept_probability") = None
-    diffusion: DiffusionOptions | None = None
-    response_format: Any = None
+
+class Sampling(sampling_fields()):  # type: ignore[misc]  # fields generated from the registry
+    """The fields chat and text completions share (:func:`sampling_fields`)."""
 
     @field_validator("response_format")
     @classmethod

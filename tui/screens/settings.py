@@ -14,23 +14,15 @@ from textual.widgets import Button, Checkbox, Input, Label
 
 from mlx_dgemma.tokenizer import check_text
 
+from mlx_dgemma import params
 from mlx_dgemma.errors import ParameterError
 from mlx_dgemma.sampler import SamplerParams, check_field
 
-FIELDS = [
-    ("max_denoising_steps", "max steps per block", int),
-    ("t_max", "first-step temperature", float),
-    ("t_min", "final temperature", float),
-    ("entropy_bound", "entropy bound", float),
-    ("stability_threshold", "stability threshold", int),
-    ("confidence_threshold", "confidence threshold", float),
-    ("accept_probability", "accept probability", float),
-    ("max_new_tokens", "max new tokens", int),
-    ("seed", "seed (empty = random)", int),
-]
+# (name, label, type): the registry's parameters that have a label (mlx_dgemma.params)
+FIELDS = [(p.name, p.label, p.kind) for p in params.screen_params()]
 LABELS = {name: label for name, label, _ in FIELDS}
 # what an empty field means where the model has no default (the placeholder)
-NO_DEFAULT = {"seed": "random", "accept_probability": "off: EntropyBound"}
+NO_DEFAULT = {p.name: p.no_default for p in params.screen_params()}
 KIND_NAMES = {int: "a whole number", float: "a number"}
 
 

@@ -1,0 +1,105 @@
+"""The generation parameters, each declared once: type, range, rule text, where its default
+comes from, CLI flag, settings-screen label, server field and GGUF ``diffusion.eb_*`` key.
+
+Everything that names a parameter is generated from :data:`PARAMS`: the range checks
+(``validate.GENERATION_RULES``), the ``generate`` sampler flags and the flag names errors
+quote (``cli.FLAGS``), the server's request fields (``server.schemas.SAMPLER_FIELDS``), the
+settings screen's fields (``tui.screens.settings.FIELDS``) and the GGUF key map the converter
+and the GGUF pre-check read (:data:`GGUF_KEYS`). Standard library only: the CLI builds its
+flags from here before anything heavy is imported.
+
+The defaults themselves live in :class:`mlx_dgemma.schema.SamplerDefaults` (the reference's
+values, written to generation_config.json); a parameter with ``model_default=False`` is the
+run's own setting, off (None) unless given, and has no default to show.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Temperatures divide logits softcapped to +-30: below 1e-3 (denormals included) the scaled
+# logits leave float32's range and the step computes NaN; above 1e3 every draw is uniform.
+_TEMPERATURE = (1e-3, 1e3)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One generation parameter."""
+
+    name: str  # the field of SamplerParams and generation_config.json
+    kind: type  # int or float
+    low: int | float  # inclusive range
+    high: int | float
+    rule: str  # "must be <rule>" in every error about it
+    flag: str  # the ``generate`` flag that sets it
+    metavar: str
+    help: str
+    label: str | None = None  # on the settings screen (None: not shown there)
+    screen_order: int = 0  # the settings screen's order (it groups what belongs together)
+    no_default: str = "none"  # the settings placeholder where the model has no default
+    server: bool = False  # an extra top-level field of the server's requests
+    gguf_key: str | None = None  # the GGUF metadata key overriding its default, if any
+    model_default: bool = True  # default from generation_config.json; False: None = off
+
+
+PARAMS: tuple[Param, ...] = (  # in the order of ``generate --help``
+    Param("max_new_tokens", int, 1, 10_000_000, "an integer in [1, 10000000]", "--max-tokens", "N",
+          "new tokens (rounded up to whole canvases)", label="max new tokens", screen_order=8),
+    Param("max_denoising_steps", int, 1, 10_000, "an integer in [1, 10000]", "--steps", "N",
+          "max denoising steps per block", label="max steps per block", screen_order=1, server=True,
+          gguf_key="diffusion.eb_max_steps"),
+    Param("t_min", float, *_TEMPERATURE, "a temperature in [0.001, 1000]", "--t-min", "T",
+          "final temperature of the linear schedule", label="final temperature", screen_order=3, server=True,
+          gguf_key="diffusion.eb_t_min"),
+    Param("t_max", float, *_TEMPERATURE, "a temperature in [0.001, 1000]", "--t-max", "T",
+          "first-step temperature", label="first-step temperature", screen_order=2, server=True,
+          gguf_key="diffusion.eb_t_max"),
+    Param("entropy_bound", float, 1e-12, 1e9, "a number in [1e-12, 1e9]", "--entropy-bound", "X",
+          "EntropyBound acceptance budget", label="entropy bound", screen_order=4, server=True,
+          gguf_key="diffusion.eb_entropy_bound"),
+    # the stopping rule keeps stability_threshold canvases on the device: bounded like the steps
+    Param("stability_threshold", int, 0, 10_000, "an integer in [0, 10000]", "--stability-threshold", "N",
+          "identical argmax canvases needed to stop", label="stability threshold", screen_order=5, server=True,
+          gguf_key="diffusion.eb_stability_threshold"),
+    Param("confidence_threshold", float, 1e-12, 1e9, "a number in [1e-12, 1e9]", "--confidence-threshold", "X",
+          "mean entropy needed to stop", label="confidence threshold", screen_order=6, server=True,
+          gguf_key="diffusion.eb_confidence_threshold"),
+    # the vocabulary size caps it too, checked once the model is known (SamplerParams.check_model)
+    Param("sc_top_k", int, 1, 2**31 - 1,
+          "an integer >= 1 (leave it out for exact self-conditioning), at most the vocabulary size",
+          "--sc-top-k", "K", "approximate self-conditioning with the top K tokens", server=True,
+          model_default=False),
+    Param("accept_probability", float, 0.0, 1.0, "a probability in [0, 1] (leave it out for EntropyBound)",
+          "--accept-probability", "P",
+          "confidence-threshold acceptance instead of EntropyBound: reveal a position once its top probability "
+          "reaches P (mlx-vlm's default: 0.9); fewer steps, answers differ",
+          label="accept probability", screen_order=7, no_default="off: EntropyBound", server=True,
+          model_default=False),
+    Param("seed", int, 0, 2**64 - 1, "an integer in [0, 2**64 - 1]", "--seed", "N", "make the run reproducible",
+          label="seed (empty = random)", screen_order=9, no_default="random", server=True, model_default=False),
+)
+
+
+def get(name: str) -> Param | None:
+    """The parameter called ``name`` (None: not a registry parameter)."""
+    return next((p for p in PARAMS if p.name == name), None)
+
+
+def gguf_keys() -> dict[str, Param]:
+    """GGUF ``diffusion.eb_*`` key -> the parameter whose default it overrides."""
+    return {p.gguf_key: p for p in PARAMS if p.gguf_key}
+
+
+def flags() -> dict[str, str]:
+    """Parameter name -> the ``generate`` flag that sets it (errors name what the user typed)."""
+    return {p.name: p.flag for p in PARAMS}
+
+
+def server_fields() -> tuple[str, ...]:
+    """The parameters a server request may set as extra top-level fields."""
+    return tuple(p.name for p in PARAMS if p.server)
+
+
+def screen_params() -> list[Param]:
+    """The parameters on the settings screen, in its order."""
+    return sorted((p for p in PARAMS if p.label), key=lambda p: p.screen_order)
