@@ -65,20 +65,28 @@ class Message(Body):
         raise ValueError("expected a string or a list of text parts")
 
 
+# registry parameters that OpenAI's API has too: declared among OpenAI's fields, not ours
+_OPENAI_PARAMS = ("seed",)
+
+
 def sampling_fields() -> type[Body]:
     """The fields chat and text completions share, in the order a request's first error is
-    found: OpenAI's, then one per registry parameter with ``server=True``, then the rest."""
+    found: OpenAI's (``seed`` among them), then one per other registry parameter with
+    ``server=True``, then the rest of ours."""
+    ours = {p.name: (_rule(p), None) for p in params.PARAMS if p.server and p.name not in _OPENAI_PARAMS}
+    theirs = {p.name: (_rule(p), None) for p in params.PARAMS if p.server and p.name in _OPENAI_PARAMS}
     return create_model(
         "SamplingFields", __base__=Body,
         model=(str | None, None),
         max_tokens=(int | None, Field(None, ge=1)),  # beyond the context: 413, checked against the model
         temperature=(float | None, Field(None, ge=0, le=2)),
         top_p=(float | None, Field(None, ge=0, le=1)),  # accepted for compatibility; the sampler has no top-p
-        **{p.name: (_rule(p), None) for p in params.PARAMS if p.server},
+        **theirs,
         stop=(Any, Field(None, validate_default=True)),
         stream=(bool, False),
         stream_options=(StreamOptions | None, None),
         n=(int, 1),
+        **ours,
         diffusion=(DiffusionOptions | None, None),
         response_format=(Any, None),
     )
