@@ -47,6 +47,17 @@ def test_a_new_parameter_with_a_gguf_key_is_read_from_the_gguf(registry_with_new
     assert "dial_tone" not in generation_config({})
 
 
+def test_a_new_gguf_key_out_of_its_range_is_refused_before_converting(registry_with_new_param, tmp_path, capsys):
+    """The GGUF pre-check reads the same map: the converter refuses the file in one line."""
+    from mlx_dgemma.convert.synthetic import TinySpec, write_tiny_gguf
+    from tests.hostile_util import promise
+
+    src = write_tiny_gguf(tmp_path / "m.gguf", TinySpec(extra_metadata={"diffusion.eb_dial_tone": 0.9}))
+    code, line = promise(["convert", str(src), str(tmp_path / "out")], capsys, tmp_path, {src.name})
+    assert code == 2
+    assert "diffusion.eb_dial_tone" in line and "a number in [0.25, 0.75]" in line, line
+
+
 # The server's request model and the settings screen are built when their modules are imported:
 # a fresh interpreter adds the parameter first, then imports them.
 SCRIPT = """
