@@ -105,3 +105,11 @@ def test_the_registry_matches_the_sampler_and_its_defaults():
         assert (default is None) == (not p.model_default), p.name
         if default is not None:
             assert isinstance(default, p.kind) and p.low <= default <= p.high, p.name
+
+
+def test_the_registry_imports_no_mlx():
+    """The CLI builds its flags from the registry before anything heavy is imported."""
+    code = ("import sys, mlx_dgemma.params, mlx_dgemma.validate; "
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'mlx'], 'MLX imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
