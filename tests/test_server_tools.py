@@ -87,6 +87,25 @@ def test_several_calls_and_the_text_around_them():
     assert is_open  # the unclosed third call is held back, not text
 
 
+@pytest.mark.parametrize("answer", [
+    "Let me check.<|tool_call>call:get_weather{city:" + Q + "Paris, FR" + Q + ",days:3}<tool_call|>",
+    "<|tool_call>call:a{x:-1.5,y:[" + Q + "p" + Q + ",true,null],z:{k:" + Q + "v: w" + Q + "}}<tool_call|>"
+    "<|tool_call>call:b{}<tool_call|><|tool_response>",
+    "No call here.<turn|>",
+])
+def test_calls_are_parsed_as_transformers_parses_gemma4(answer):
+    # the reference: transformers' serving parser for Gemma 4 answers
+    utils = pytest.importorskip("transformers.cli.serving.utils")
+    from transformers.utils.chat_parsing.response_parser import parse_response
+
+    ref = parse_response(answer, utils._RESPONSE_TEMPLATE_FALLBACKS[("gemma4",)], prefix="<|turn>model\n")
+    pieces, is_open = split_tool_calls(answer)
+    calls = [(p.name, json.loads(p.arguments)) for p in pieces if isinstance(p, ToolCall)]
+    assert not is_open
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in ref.get("tool_calls", [])]
+    assert parse_answer("".join(p for p in pieces if isinstance(p, str))).answer == ref.get("content", "")
+
+
 @pytest.mark.parametrize("body", ["call:f{a:}", "call:f{a:" + Q + "x}", "call:f[1]", "f{a:1}", "call:f{a:1}}",
                                   "call:f{a:tru}"])
 def test_malformed_arguments_stay_text(body):

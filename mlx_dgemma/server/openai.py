@@ -9,7 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_dgemma.chat_template import THOUGHT_CLOSE, THOUGHT_OPEN, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN, ToolCall, parse_answer, split_tool_calls
+from mlx_dgemma.chat_template import (THOUGHT_CLOSE, THOUGHT_OPEN, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN, ToolCall,
+                                      parse_answer, split_tool_calls)
 
 
 def marker_ids(tokenizer: Any) -> tuple[int | None, int | None]:
