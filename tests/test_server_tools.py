@@ -184,12 +184,12 @@ def openai_client(client: Any) -> Any:
 
 def test_an_agent_loop_runs_to_the_end_with_the_openai_client(served, monkeypatch):
     engine, client = served
-    turns = 6
+    turns = 20  # the target: a 20-step agent loop
     script = Script(engine, [call_text("get_weather", city=f"city{i}", days=i) for i in range(turns)]
                     + ["It is sunny everywhere."])
     monkeypatch.setattr(engine.runtime, "generate", script)
     oa = openai_client(client)
-    messages: list[Any] = [{"role": "user", "content": "Weather in six cities?"}]
+    messages: list[Any] = [{"role": "user", "content": "Weather in twenty cities?"}]
     for i in range(turns):
         r = oa.chat.completions.create(model="anything", messages=messages, tools=[WEATHER], max_tokens=128)
         choice = r.choices[0]
