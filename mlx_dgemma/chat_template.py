@@ -15,17 +15,46 @@ from .errors import ParameterError
 
 # Used when a file carries no template: the Gemma 4 turn format. With thinking off the
 # generation prompt closes an empty thought channel, as the published template does.
+# Tools follow Gemma 4's format: declarations in the system turn
+# (``<|tool>declaration:NAME{description:<|"|>...<|"|>,parameters:{...}}<tool|>``), a call in
+# the model's turn (``<|tool_call>call:NAME{key:value,...}<tool_call|>``), its result in the
+# same turn (``<|tool_response>response:NAME{value:<|"|>...<|"|>}<tool_response|>``), after
+# which the model goes on with its turn. Values: strings between ``<|"|>``, bare numbers,
+# true/false/null, ``{key:value,...}`` with sorted bare keys, ``[...]``; schema types upper-case.
 DEFAULT_TEMPLATE = (
+    r"{% macro arg(v, key='') %}{% if v is string %}{{ '<|\"|>' + ((v | upper) if key == 'type' else v) + '<|\"|>' }}"
+    r"{% elif v is boolean %}{{ 'true' if v else 'false' }}{% elif v is none %}{{ 'null' }}"
+    r"{% elif v is mapping %}{{ '{' }}{% for k, x in v | dictsort %}{{ k + ':' }}{{ arg(x, k) }}"
+    r"{% if not loop.last %}{{ ',' }}{% endif %}{% endfor %}{{ '}' }}"
+    r"{% elif v is iterable %}{{ '[' }}{% for x in v %}{{ arg(x) }}{% if not loop.last %}{{ ',' }}{% endif %}"
+    r"{% endfor %}{{ ']' }}{% else %}{{ v }}{% endif %}{% endmacro %}"
     r"{{ bos_token }}"
     r"{% set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
-    r"{% if enable_thinking or sys is not none %}{{ '<|turn>system\n' }}"
-    r"{% if enable_thinking %}{{ '<|think|>' }}{% endif %}{{ sys if sys is not none else '' }}{{ '<turn|>\n' }}"
+    r"{% if enable_thinking or sys is not none or tools %}{{ '<|turn>system\n' }}"
+    r"{% if enable_thinking %}{{ '<|think|>' }}{% endif %}{{ sys if sys is not none else '' }}"
+    r"{% for t in tools or [] %}{% set f = t['function'] %}{{ '<|tool>declaration:' + f['name'] + '{' }}"
+    r"{{ 'description:' + arg(f['description'] or '') }}"
+    r"{% if f['parameters'] %}{{ ',parameters:' + arg(f['parameters']) }}{% endif %}{{ '}<tool|>' }}{% endfor %}"
+    r"{{ '<turn|>\n' }}"
     r"{% endif %}"
     r"{% for m in messages if m['role'] != 'system' %}"
-    r"{{ '<|turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' + (m['content'] | trim)"
-    r" + '<turn|>\n' }}"
+    r"{% set prev = loop.previtem['role'] if loop.previtem is defined else none %}"
+    r"{% set next = loop.nextitem['role'] if loop.nextitem is defined else none %}"
+    r"{% if m['role'] == 'tool' %}"
+    r"{{ '<|tool_response>response:' + (m['name'] or 'unknown') + '{value:' + arg(m['content']) }}"
+    r"{{ '}<tool_response|>' }}"
+    r"{% if next is not none and next not in ('tool', 'assistant') %}{{ '<turn|>\n' }}{% endif %}"
+    r"{% else %}"
+    r"{% if not (m['role'] == 'assistant' and prev == 'tool') %}"
+    r"{{ '<|turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}{% endif %}"
+    r"{{ m['content'] | trim }}"
+    r"{% for c in m['tool_calls'] or [] %}{{ '<|tool_call>call:' + c['function']['name'] }}"
+    r"{% set a = c['function']['arguments'] %}{{ arg(a) if a is mapping else '{' + a + '}' }}"
+    r"{{ '<tool_call|>' }}{% endfor %}"
+    r"{% if not (m['tool_calls'] and next == 'tool') %}{{ '<turn|>\n' }}{% endif %}"
+    r"{% endif %}"
     r"{% endfor %}"
-    r"{% if add_generation_prompt %}{{ '<|turn>model\n' }}"
+    r"{% if add_generation_prompt and messages[-1]['role'] != 'tool' %}{{ '<|turn>model\n' }}"
     r"{% if not enable_thinking %}{{ '<|channel>thought\n<channel|>' }}{% endif %}{% endif %}"
 )
 
@@ -199,6 +228,115 @@ def render_chat(messages: list[dict[str, Any]], template: str | None = None, *,
     return _render(template or DEFAULT_TEMPLATE, text_chars,
                    messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
                    enable_thinking=enable_thinking, bos_token=bos_token, eos_token=eos_token, **extra)
+
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE, STRING_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+TOOL_RESPONSE_OPEN = "<|tool_response>"
+_CALL = re.compile(r"call:([A-Za-z_][A-Za-z0-9_.\-]*)(\{.*\})\s*", re.DOTALL)
+_BARE = re.compile(r"[^,:{}\[\]\s]+")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model wrote: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+def _gemma_value(s: str, i: int) -> tuple[Any, int]:
+    """One value of Gemma 4's argument syntax at ``s[i]``: ``<|"|>text<|"|>``, a JSON string,
+    ``{key:value,...}``, ``[value,...]``, true/false/null or a number. ValueError if malformed."""
+    import json
+
+    while i < len(s) and s[i].isspace():
+        i += 1
+    if s.startswith(STRING_QUOTE, i):
+        end = s.find(STRING_QUOTE, i + len(STRING_QUOTE))
+        if end == -1:
+            raise ValueError("unclosed string")
+        return s[i + len(STRING_QUOTE): end], end + len(STRING_QUOTE)
+    if s.startswith('"', i):
+        return json.JSONDecoder().raw_decode(s, i)
+    if s.startswith("{", i) or s.startswith("[", i):
+        is_obj, out, i = s[i] == "{", ({} if s[i] == "{" else []), i + 1
+        close = "}" if is_obj else "]"
+        while True:
+            while i < len(s) and s[i].isspace():
+                i += 1
+            if s.startswith(close, i) and not out:
+                return out, i + 1
+            if is_obj:
+                if s.startswith(STRING_QUOTE, i) or s.startswith('"', i):
+                    key, i = _gemma_value(s, i)
+                else:
+                    m = _BARE.match(s, i)
+                    if not m:
+                        raise ValueError(f"a key expected at {i}")
+                    key, i = m.group(), m.end()
+                if not s.startswith(":", i):
+                    raise ValueError(f"':' expected at {i}")
+                out[key], i = _gemma_value(s, i + 1)
+            else:
+                v, i = _gemma_value(s, i)
+                out.append(v)
+            while i < len(s) and s[i].isspace():
+                i += 1
+            if s.startswith(",", i):
+                i += 1
+            elif s.startswith(close, i):
+                return out, i + 1
+            else:
+                raise ValueError(f"',' or {close!r} expected at {i}")
+    m = _BARE.match(s, i)
+    if not m:
+        raise ValueError(f"a value expected at {i}")
+    return json.loads(m.group()), m.end()  # true, false, null, a number (JSONDecodeError is a ValueError)
+
+
+def parse_tool_call(body: str) -> ToolCall | None:
+    """``call:NAME{key:value,...}`` (a tool-call block's body) -> a ToolCall, None if malformed."""
+    import json
+
+    m = _CALL.fullmatch(body.strip())
+    if not m:
+        return None
+    try:
+        args, end = _gemma_value(m.group(2), 0)
+    except (ValueError, RecursionError):
+        return None
+    if end != len(m.group(2)) or not isinstance(args, dict):
+        return None
+    return ToolCall(m.group(1), json.dumps(args, ensure_ascii=False))
+
+
+def split_tool_calls(text: str) -> tuple[list[str | ToolCall], bool]:
+    """Gemma 4 tool-call blocks (``<|tool_call>call:NAME{...}<tool_call|>``) out of decoded
+    text (specials kept): the pieces in order (text, or a ToolCall for each well-formed block;
+    a malformed block stays text), and whether an unclosed block trails (cut off; not in the
+    pieces: it may still become a call)."""
+    pieces: list[str | ToolCall] = []
+    i = 0
+    while True:
+        start = text.find(TOOL_CALL_OPEN, i)
+        if start == -1:
+            pieces.append(text[i:])
+            return pieces, False
+        end = text.find(TOOL_CALL_CLOSE, start)
+        pieces.append(text[i:start])
+        if end == -1:
+            return pieces, True
+        block = text[start: end + len(TOOL_CALL_CLOSE)]
+        call = parse_tool_call(block[len(TOOL_CALL_OPEN): -len(TOOL_CALL_CLOSE)])
+        pieces.append(call if call is not None else block)
+        i = end + len(TOOL_CALL_CLOSE)
+
+
+def template_for_tools(template: str | None) -> str:
+    """The template to render tools and tool messages with: the model's, unless it knows
+    nothing of tools (it would drop the declarations and show results as a turn of an unknown
+    role), then the built-in Gemma 4 format, whose tokens every Gemma 4 vocabulary holds."""
+    return template if template and "tool" in template else DEFAULT_TEMPLATE
 
 
 @dataclass(frozen=True)

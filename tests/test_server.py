@@ -382,7 +382,7 @@ def _hostile_cases() -> list[tuple[str, str, Any, int, str | None]]:
         ("POST", C, body(messages=[]), 400, "messages"), ("POST", C, body(messages=[1]), 400, "messages[0]"),
         ("POST", C, body(messages=[{"content": "hi"}]), 400, "messages[0].role"),
         ("POST", C, body(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
-        ("POST", C, body(messages=[{"role": "tool", "content": "hi"}]), 400, "messages[0].role"),
+        ("POST", C, body(messages=[{"role": "tool", "content": "hi"}]), 400, "messages[0].tool_call_id"),  # answers no call
         ("POST", C, body(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
         ("POST", C, body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
          400, "messages[0].content"),

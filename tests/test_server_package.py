@@ -123,7 +123,7 @@ def test_validation_errors_keep_the_bodies_of_the_single_module_server():
         (b'{"messages": [{"role": "user", "content": "hi"}], "stream_options": 3}',
          "stream_options: Input should be a valid dictionary or instance of StreamOptions", "stream_options"),
         (b'{"messages": [{"role": "wizard", "content": "hi"}]}',
-         "messages[0].role: Input should be 'system', 'developer', 'user' or 'assistant'", "messages[0].role"),
+         "messages[0].role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'", "messages[0].role"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', "n: only n=1 is supported", "n"),
     ]
     for body, message, param in cases:

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from .engine import Engine, Job, normalize_messages
+from .engine import Engine, Job, normalize_messages, tools_for
 from .errors import APIError
 from .openai import Deltas, Formatter, model_card, sse
 from .schemas import ChatRequest, CompletionRequest, Sampling
@@ -306,17 +306,18 @@ def _thinking(body: ChatRequest) -> bool:
 async def chat_completions(body: ChatRequest, request: Request, engine: Engine = Depends(get_engine)) -> Response:
     # any model name is served by the one model (clients hard-code names); responses name ours
     messages = normalize_messages(body.messages)
+    tools = tools_for(body.tools, body.tool_choice)
     last = len(messages) - 1
-    if messages[-1]["role"] != "user":
-        raise APIError(400, f"messages[{last}].role: the last message must be the user's "
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise APIError(400, f"messages[{last}].role: the last message must be the user's or a tool's "
                        f"(got {messages[-1]['role']!r})", param=f"messages[{last}].role")
-    if not messages[-1]["content"].strip():
+    if messages[-1]["role"] == "user" and not messages[-1]["content"].strip():
         raise APIError(400, f"messages[{last}].content: empty; give some text", param=f"messages[{last}].content")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     thinking = _thinking(body)
     params = engine.sampler_overrides(body, max_tokens)
-    await run_in_threadpool(engine.prepare_chat, messages, thinking, params)
-    return await _submit(request, engine, "chat", body, messages, _answer_cap(params), params, thinking)
+    await run_in_threadpool(engine.prepare_chat, messages, thinking, params, tools)
+    return await _submit(request, engine, "chat", body, messages, _answer_cap(params), params, thinking, tools)
 
 
 @router.post("/v1/completions")
@@ -332,9 +333,9 @@ def _answer_cap(params: dict[str, Any]) -> int | None:
 
 
 async def _submit(request: Request, engine: Engine, kind: str, body: Sampling, prompt: Any, max_tokens: int | None,
-                  params: dict[str, Any], thinking: bool) -> Response:
+                  params: dict[str, Any], thinking: bool, tools: list[dict[str, Any]] | None = None) -> Response:
     job = Job(kind, prompt, params, max_tokens, body.stop, thinking,
-              bool(body.diffusion and body.diffusion.stream_steps), asyncio.get_running_loop())
+              bool(body.diffusion and body.diffusion.stream_steps), asyncio.get_running_loop(), tools=tools)
     fmt = Formatter(kind, engine.model_id)
     job.stats["id"] = fmt.id  # the log line names the response's id
     _log_info(request)["job"] = job
@@ -361,6 +362,14 @@ async def _submit(request: Request, engine: Engine, kind: str, body: Sampling, p
 
 async def _stream(job: Job, fmt: Formatter, watcher: asyncio.Task, include_usage: bool) -> AsyncIterator[str]:
     content, reasoning = Deltas(), Deltas()
+    calls_sent = 0  # a tool call goes out whole, once the block holding its end is committed
+
+    def new_calls(calls: tuple) -> list[tuple[int, Any]]:
+        nonlocal calls_sent
+        out = list(enumerate(calls))[calls_sent:]
+        calls_sent = max(calls_sent, len(calls))
+        return out
+
     try:
         if fmt.kind == "chat":
             yield sse(fmt.delta(role=True))
@@ -372,12 +381,18 @@ async def _stream(job: Job, fmt: Formatter, watcher: asyncio.Task, include_usage
                 dc, dr = content(payload[0]), reasoning(payload[1])
                 if dc or dr:
                     yield sse(fmt.delta(dc, dr))
+                calls = new_calls(payload[2])
+                if calls:
+                    yield sse(fmt.delta(tool_calls=calls))
             elif what == "done":
                 if payload is None:
                     return
                 dc, dr = content(payload.content), reasoning(payload.reasoning)
                 if dc or dr:
                     yield sse(fmt.delta(dc, dr))
+                calls = new_calls(payload.tool_calls)
+                if calls:
+                    yield sse(fmt.delta(tool_calls=calls))
                 yield sse(fmt.delta(finish=payload.finish_reason))
                 if include_usage:
                     yield sse({**fmt.extra(), "usage": payload.usage})

@@ -9,6 +9,7 @@ A chat request whose messages extend the previous conversation continues that
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import statistics
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlx_dgemma.chat_template import RENDER_CHARS, THOUGHT_OPEN, parse_answer, render_chat
+from mlx_dgemma.chat_template import RENDER_CHARS, THOUGHT_OPEN, parse_answer, render_chat, template_for_tools
 from mlx_dgemma.errors import DGemmaError, ParameterError
 from mlx_dgemma.worker import ModelWorker, Ticket, WorkerBusy, WorkerStopped
 
@@ -53,6 +54,7 @@ class Job:
     submitted: bool = False  # it reached the worker's queue (a refused job never will)
     answered: bool = False  # the result was emitted (the worker may still be committing the cache)
     started: float = 0.0  # perf_counter when the worker took it
+    tools: list[dict[str, Any]] | None = None  # declared to the template; the answer's calls are parsed
 
     def emit(self, kind: str, payload: Any = None) -> None:
         try:
@@ -86,17 +88,66 @@ def model_id_of(path: str | None) -> str:
     return p.stem if p.suffix == ".gguf" else p.name
 
 
-def normalize_messages(messages: list[Message]) -> list[dict[str, str]]:
+def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """OpenAI messages -> the template's {'role', 'content'}: 'developer' is 'system', earlier
-    assistant turns lose their thought channel (and any reasoning_content the client sent)."""
-    out = []
-    for m in messages:
+    assistant turns lose their thought channel (and any reasoning_content the client sent).
+
+    Tool calls reach the template as transformers passes them (``arguments`` a mapping, not
+    JSON text); a tool message carries its function's ``name`` (given, or that of the call
+    its ``tool_call_id`` answers), which the template's tool-response format needs."""
+    out: list[dict[str, Any]] = []
+    calls: dict[str, str] = {}  # tool_call_id -> function name, from earlier assistant messages
+    for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         content = m.content
         if role == "assistant" and (THOUGHT_OPEN in content or "<turn|>" in content):
             content = parse_answer(content).answer
-        out.append({"role": role, "content": content})
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls and role == "assistant":
+            msg["tool_calls"] = []
+            for j, c in enumerate(m.tool_calls):
+                where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                try:
+                    args = json.loads(c.function.arguments) if c.function.arguments.strip() else {}
+                except json.JSONDecodeError as e:
+                    raise APIError(400, f"{where}: not valid JSON ({e}); send the arguments as a JSON object",
+                                   param=where) from None
+                if not isinstance(args, dict):
+                    raise APIError(400, f"{where}: expected a JSON object, got {type(args).__name__}", param=where)
+                calls[c.id] = c.function.name
+                msg["tool_calls"].append({"id": c.id, "type": "function",
+                                          "function": {"name": c.function.name, "arguments": args}})
+        if role == "tool":
+            name = m.name or calls.get(m.tool_call_id or "")
+            if not name:
+                where = f"messages[{i}].tool_call_id"
+                raise APIError(400, f"{where}: {m.tool_call_id!r} answers no tool call of an earlier assistant "
+                               "message; give the id of the call (or the function's name)", param=where)
+            msg.update(name=name, tool_call_id=m.tool_call_id)
+        out.append(msg)
     return out
+
+
+def tools_for(tools: list[Any] | None, tool_choice: Any) -> list[dict[str, Any]] | None:
+    """The tools the template declares: none with tool_choice "none", only the named one with a
+    named function (a name not among ``tools`` is a 400)."""
+    if not tools or tool_choice == "none":
+        return None
+    out = [t.model_dump(exclude_none=True) for t in tools]
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        out = [t for t in out if t["function"]["name"] == name]
+        if not out:
+            raise APIError(400, f"tool_choice.function.name: {name!r} is not among the request's tools",
+                           param="tool_choice.function.name")
+    return out
+
+
+def plain_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
+    """A conversation the core's ChatSession continues: no tools, only user/assistant text
+    turns ending with the user's."""
+    return not tools and messages[-1]["role"] == "user" and \
+        all(m["role"] in ("system", "user", "assistant") and not m.get("tool_calls") for m in messages)
 
 
 @dataclass
@@ -316,12 +367,22 @@ class Engine:
                                      f"holds at most {self.max_token_bytes} bytes), beyond the model's context "
                                      f"of {self.context}; shorten the {total_param}", total_param)
 
-    def prepare_chat(self, messages: list[dict[str, str]], enable_thinking: bool, params: dict[str, Any]) -> int:
+    def template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
+        """The chat template for ``messages``: the model's, or for tools where it has none the
+        built-in Gemma 4 tool format (the demo model's template predates tools)."""
+        t = self.tokenizer.chat_template
+        return t if plain_chat(messages, tools) else template_for_tools(t)
+
+    def prepare_chat(self, messages: list[dict[str, Any]], enable_thinking: bool, params: dict[str, Any],
+                     tools: list[dict[str, Any]] | None = None) -> int:
         """Render the whole conversation as a fresh prompt: template errors are 400, a prompt
         beyond the context 413. Returns its token count."""
-        self._check_size([(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)], "messages")
+        texts = [(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)]
+        if tools:
+            texts.append(("tools", json.dumps(tools, ensure_ascii=False)))
+        self._check_size(texts, "messages")
         try:
-            text = render_chat(messages, self.tokenizer.chat_template, enable_thinking=enable_thinking)
+            text = render_chat(messages, self.template(messages, tools), enable_thinking=enable_thinking, tools=tools)
         except ParameterError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a template's own error on odd input
@@ -395,6 +456,14 @@ class Engine:
 
     def _run_chat(self, job: Job) -> None:
         rt = self.runtime
+        if not plain_chat(job.prompt, job.tools):
+            # tools, tool calls or results: a fresh render (the session continues user turns only)
+            self._session = None
+            text = render_chat(job.prompt, self.template(job.prompt, job.tools), enable_thinking=job.enable_thinking,
+                               tools=job.tools)
+            events = rt.generate(self.tokenizer.encode(text), chat=False, cancel=self._cancelled(job), **job.params)
+            self._consume(job, events, lambda: 0)
+            return
         earlier, user = job.prompt[:-1], job.prompt[-1]["content"]
         s, self._session = self._session, None  # reusable again only if this turn ends cleanly
         if s is None or s is not rt.session or s.enable_thinking != job.enable_thinking:
@@ -417,7 +486,7 @@ class Engine:
         from mlx_dgemma.sampler import SamplerParams
 
         eos = SamplerParams.from_config(self.generation_config, **job.params).eos_token_id  # as the core reads it
-        answer = Answer(self.tokenizer, eos, job.max_tokens, job.stop, self.markers)
+        answer = Answer(self.tokenizer, eos, job.max_tokens, job.stop, self.markers, tools=bool(job.tools))
         n_blocks = self.blocks_tokens(self.max_new_tokens(job.params)) // self.canvas
         done: Any = None
         result: Result | None = None
@@ -437,7 +506,7 @@ class Engine:
             self.totals["completion_tokens"] += answer.completion_tokens
             job.stats.update(prompt=cached + prefill, cached=cached, completion=answer.completion_tokens,
                              reasoning=answer.reasoning_tokens, finish=answer.finish_reason)
-            r = Result(answer.content, answer.reasoning, answer.finish_reason, usage)
+            r = Result(answer.content, answer.reasoning, answer.finish_reason, usage, tuple(answer.tool_calls))
             job.stats["answer_s"] = round(time.perf_counter() - job.started, 4)
             job.answered = True
             job.emit("done", r)
@@ -451,9 +520,10 @@ class Engine:
                 answer.add(ev.tokens, ev.text, ev.thinking)
                 if job.stream_steps:
                     job.emit("step", {"type": "block", "block": ev.block, "steps": ev.steps, "finished": ev.finished})
-                job.emit("text", answer.streamable())  # a snapshot: the worker goes on mutating answer
+                # a snapshot: the worker goes on mutating answer
+                job.emit("text", (*answer.streamable(), tuple(answer.tool_calls)))
                 last = ev.finished or ev.block >= n_blocks  # blocks count from 1
-                if answer.stop_hit and not last:
+                if (answer.stop_hit or answer.eos) and not last:  # a stop string, or a call's end
                     clean = False  # a stop string: no need for more blocks
                     result = finish()
                     break

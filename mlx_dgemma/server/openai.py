@@ -9,7 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_dgemma.chat_template import THOUGHT_CLOSE, THOUGHT_OPEN, parse_answer
+from mlx_dgemma.chat_template import (THOUGHT_CLOSE, THOUGHT_OPEN, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN, ToolCall,
+                                      parse_answer, split_tool_calls)
 
 
 def marker_ids(tokenizer: Any) -> tuple[int | None, int | None]:
@@ -35,6 +36,7 @@ class Answer:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     markers: tuple[int | None, int | None] | None = None  # thought channel ids (marker_ids), found if None
+    tools: bool = False  # parse the template's tool calls out of the answer
     tokens: list[int] = field(default_factory=list)
     content: str = ""
     reasoning: str = ""
@@ -43,10 +45,16 @@ class Answer:
     eos: bool = False
     stop_hit: bool = False
     cut: bool = False  # max_tokens ended the answer before an EOS
+    tool_calls: list[ToolCall] = field(default_factory=list)  # complete, well-formed calls
+    call_open: bool = False  # a tool-call block has begun and is not closed yet
 
     def __post_init__(self) -> None:
         if self.markers is None:
             self.markers = marker_ids(self.tokenizer)
+        if self.tools:  # after a call the model waits for its result: the answer ends there
+            ids = self.tokenizer.encode(TOOL_RESPONSE_OPEN)
+            if len(ids) == 1 and ids[0] not in self.eos_ids:
+                self.eos_ids = (*self.eos_ids, ids[0])
 
     def add(self, block_tokens: tuple[int, ...], text: str, thinking: str) -> None:
         """Add one committed block (its tokens and the core's parsed text so far)."""
@@ -60,6 +68,8 @@ class Answer:
         self.eos = eos_at is not None
         self.cut = not self.eos and len(gen) < len(self.tokens)
         gen = gen[: eos_at + 1] if eos_at is not None else gen
+        if self.tools:
+            text, thinking = self._split_calls(gen)
         hits = [i for i in (text.find(s) for s in self.stop) if i != -1]
         self.stop_hit = bool(hits)
         if hits:
@@ -68,6 +78,29 @@ class Answer:
         self.reasoning_tokens = self._thought_tokens(gen)
         self.content = text[: min(hits)] if hits else text
         self.reasoning = thinking
+
+    def _split_calls(self, gen: list[int]) -> tuple[str, str]:
+        """(text, thinking) of ``gen`` with its tool calls taken out into ``tool_calls``; a
+        malformed call stays in the text verbatim (markers included), so the client sees it."""
+        pieces, self.call_open = split_tool_calls(self.tokenizer.decode(gen))
+        self.tool_calls = [p for p in pieces if isinstance(p, ToolCall)]
+        # the text outside the calls is parsed as any answer (thought channel, specials), with
+        # placeholders where malformed blocks go back afterwards
+        blocks: list[str] = []
+        outside = ""
+        for p in pieces:
+            if isinstance(p, ToolCall):
+                continue
+            if p.startswith(TOOL_CALL_OPEN):
+                outside += f"\x00{len(blocks)}\x00"
+                blocks.append(p)
+            else:
+                outside += p
+        parsed = parse_answer(outside)
+        text = parsed.answer
+        for i, b in enumerate(blocks):
+            text = text.replace(f"\x00{i}\x00", b)
+        return text, parsed.thinking
 
     def _has_stop(self, ids: list[int]) -> bool:
         text = parse_answer(self.tokenizer.decode(ids)).answer
@@ -100,6 +133,8 @@ class Answer:
 
     @property
     def finish_reason(self) -> str:
+        if self.tool_calls and self.eos and not self.stop_hit:
+            return "tool_calls"
         return "stop" if self.eos or self.stop_hit else "length"
 
     def streamable(self) -> tuple[str, str]:
@@ -139,6 +174,7 @@ class Result:
     reasoning: str
     finish_reason: str
     usage: dict[str, Any]
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class Formatter:
@@ -154,9 +190,21 @@ class Formatter:
         obj = self.object + ".chunk" if chunk and self.kind == "chat" else self.object
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def call_id(self, index: int) -> str:
+        """The id of the answer's ``index``-th tool call (the same in a stream and its final)."""
+        return f"call_{self.id.split('-', 1)[1][:16]}_{index}"
+
+    def tool_call(self, index: int, call: ToolCall, stream: bool = False) -> dict[str, Any]:
+        out = {"index": index} if stream else {}
+        return {**out, "id": self.call_id(index), "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
+
     def final(self, r: Result) -> dict[str, Any]:
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": r.content}
+            if r.tool_calls:
+                message["content"] = r.content or None
+                message["tool_calls"] = [self.tool_call(i, c) for i, c in enumerate(r.tool_calls)]
             if r.reasoning:
                 message["reasoning_content"] = r.reasoning
             choice = {"index": 0, "message": message, "finish_reason": r.finish_reason, "logprobs": None}
@@ -165,13 +213,15 @@ class Formatter:
         return {**self._base(False), "choices": [choice], "usage": r.usage}
 
     def delta(self, content: str = "", reasoning: str = "", finish: str | None = None,
-              role: bool = False) -> dict[str, Any]:
+              role: bool = False, tool_calls: list[tuple[int, ToolCall]] | None = None) -> dict[str, Any]:
         if self.kind == "chat":
             d: dict[str, Any] = {"role": "assistant"} if role else {}
             if content or role:
                 d["content"] = content
             if reasoning:
                 d["reasoning_content"] = reasoning
+            if tool_calls:
+                d["tool_calls"] = [self.tool_call(i, c, stream=True) for i, c in tool_calls]
             choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}

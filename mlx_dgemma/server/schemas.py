@@ -45,9 +45,38 @@ class DiffusionOptions(Body):
     stream_steps: bool = False
 
 
+class FunctionCall(Body):
+    name: str = Field(min_length=1)
+    arguments: str  # a JSON object, as text (OpenAI's form)
+
+
+class ToolCall(Body):
+    """A tool call of an earlier assistant message, as the client sends it back."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(Body):
+    """An OpenAI function tool: ``{"type": "function", "function": {name, description, parameters}}``."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class Message(Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = Field(None, validate_default=True)
+    tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
+    tool_call_id: str | None = None  # tool messages: the call this answers
+    name: str | None = None  # tool messages: the function's name (else found from tool_call_id)
 
     @field_validator("content")
     @classmethod
@@ -130,6 +159,24 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     enable_thinking: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Any = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        """"auto", "none" or a named function; "required" cannot be guaranteed (the sampler
+        cannot force a call), so it is refused rather than ignored."""
+        if v is None or v in ("auto", "none"):
+            return v
+        if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
+                and isinstance(v["function"].get("name"), str) and v["function"]["name"]:
+            return v
+        if v == "required":
+            raise ValueError("'required' is not supported: this server cannot force the model to call a tool; "
+                             "use 'auto' or name a function")
+        raise ValueError(f"{v!r} is not supported; use 'auto', 'none' or "
+                         "{'type': 'function', 'function': {'name': ...}}")
 
 
 class CompletionRequest(Sampling):
