@@ -19,7 +19,8 @@ from typing import Any
 
 _LAZY = {"Answer": "openai", "Deltas": "openai", "Formatter": "openai", "Result": "openai",
          "Engine": "engine", "Job": "engine", "Limits": "engine", "load_model": "engine",
-         "create_app": "app", "Settings": "app", "APIError": "errors", "main": "cli", "add_args": "cli", "check_args": "cli"}
+         "create_app": "app", "Settings": "app", "APIError": "errors",
+         "main": "cli", "add_args": "cli", "check_args": "cli"}
 
 __all__ = sorted(_LAZY)
 
