@@ -122,8 +122,10 @@ class GGUFSource:
         """Each tensor converted to ``precision`` (``mlx_dgemma.tiers``; "exact" is bit-exact),
         one at a time, in file order.
 
-        ``progress`` is called once a consumer has taken a tensor; then its pages are dropped
-        from the memory map, so the resident set stays at about one tensor.
+        Each tensor's parts read its rows from the file as the consumer takes them (see
+        :func:`~.tensors.convert_tensor`), so a streaming consumer holds a chunk, not the tensor.
+        ``progress`` is called once a consumer has taken a tensor; then any pages of it in the
+        memory map are dropped too.
         """
         tensors = list(self.reader.tensors)
         total, done = self.n_bytes, 0
