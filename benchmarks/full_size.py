@@ -159,13 +159,13 @@ def write_inventory_gguf(path: str | Path, header: dict, *, select: Callable[[st
 
 
 def _rss_now() -> int:
-    from mlx_dgemma.memory import current_rss_bytes
+    from mlx_dgemma.rss import current_rss_bytes  # not .memory: that imports MLX into the convert child
 
     return current_rss_bytes()
 
 
 def _peak() -> int:
-    from mlx_dgemma.memory import peak_rss_bytes
+    from mlx_dgemma.rss import peak_rss_bytes
 
     return peak_rss_bytes()
 

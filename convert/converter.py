@@ -1,7 +1,8 @@
 """``mlx-dgemma convert``: a DiffusionGemma GGUF -> an MLX model directory.
 
-The GGUF is memory-mapped and converted tensor by tensor, so peak memory is about one
-repacked tensor (the Q6_K embedding, ~1.9 GB for the published model), not the model.
+The GGUF is converted tensor by tensor, and each tensor is read, repacked and written in row
+chunks, so peak memory is a chunk plus one tensor's scales (1.21 GB RSS in all for the
+published 16.8 GB model, measured), not a tensor nor the model.
 Output goes to a hidden temporary directory beside OUT_DIR and is renamed at the end:
 an interrupted or failed conversion never leaves a directory that looks like a model.
 """
@@ -16,14 +17,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-from gguf import GGUFReader
 
 from mlx_dgemma.errors import terminate_as_interrupt
-from mlx_dgemma.memory import peak_rss_bytes
+from mlx_dgemma.rss import peak_rss_bytes  # not .memory: that imports MLX
 from mlx_dgemma.paths import user_path
 from mlx_dgemma.schema import QuantSpec
-from mlx_dgemma.tiers import TIER_HELP, TIERS
+from mlx_dgemma.tiers import TIER_HELP, TIERS, TensorInfo, tensor_bytes
 from mlx_dgemma.validate import check_tokenizer_data
 
 from .errors import ConvertError
@@ -110,13 +109,23 @@ class ConvertReport:
                 "max_abs_error": self.max_abs_error, "rel_rms_error": self.rel_rms_error}
 
 
-def _estimate_output_bytes(reader: GGUFReader) -> int:
-    """Upper bound: padded sub-blocks double the width; float32 scales add 2 bits per weight."""
-    total = 0
-    for t in reader.tensors:
-        n = int(np.prod([int(x) for x in t.shape]))
-        total += int(t.n_bytes) if t.tensor_type.name in ("F32", "F16", "BF16") else n * 2 * (8 + 2) // 8
-    return total
+def estimate_output_bytes(source: GGUFSource, precision: str, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> int:
+    """Bytes the output directory of ``precision`` will take, from the tensor inventory alone:
+    the weights as :func:`mlx_dgemma.tiers.tensor_bytes` prices them (exact for the scale dtypes
+    a GGUF normally gives), each shard's reserved safetensors header, and the side files (the
+    tokenizer and chat template: at most the GGUF's metadata; index, config and report: less than
+    one header), plus a 1 % margin."""
+    layers = source.args.num_hidden_layers
+    reserve = 8 + header_reserve(source.stored_names())
+    reserve += -reserve % 8
+    weights, shards, offset = 0, 0, 0
+    for info in source.inventory():
+        n = tensor_bytes(TensorInfo(*info), precision, layers)
+        if shards == 0 or (offset and offset + n > max_shard_bytes):  # as _write_shards splits
+            shards, offset = shards + 1, 0
+        weights, offset = weights + n, offset + n
+    total = weights + shards * reserve + int(source.reader.data_offset) + reserve + 4096
+    return total + total // 100
 
 
 def _write_side_files(tmp: Path, source: GGUFSource, cfg_json: dict) -> None:
@@ -150,7 +159,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, precision: str = "exa
     parent = _check_output(src, out, force)
     remove_stale_partials(parent, out.name)
     source = GGUFSource(src, ARCH)
-    need = _estimate_output_bytes(source.reader)
+    need = estimate_output_bytes(source, precision, max_shard_bytes)
     tmp = parent / f"{_tmp_prefix(out.name)}.partial-{os.getpid()}"
     report = ConvertReport(src, out, precision, input_bytes=src.stat().st_size)
     created = [p for p in (parent, *parent.parents) if not p.exists()]  # like mkdir -p; undone on failure
@@ -161,7 +170,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, precision: str = "exa
             free = shutil.disk_usage(parent).free
             if free < need:
                 raise ConvertError(f"{parent}: not enough disk space ({free / 1e9:.2f} GB free, the output "
-                                   f"needs up to {need / 1e9:.2f} GB); free some space or choose another disk")
+                                   f"needs {need / 1e9:.2f} GB in {precision}); free some space or choose another disk")
             specs = _write_shards(source, tmp, precision, max_shard_bytes, progress, report)
             _write_side_files(tmp, source, source.config(specs, precision))
             source.check_unchanged()
@@ -175,7 +184,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, precision: str = "exa
         _remove_empty(created)
         if e.errno == errno.ENOSPC:
             raise ConvertError(f"{parent}: no space left on device while writing the conversion "
-                               f"(needs up to {need / 1e9:.2f} GB); nothing was kept") from e
+                               f"(needs about {need / 1e9:.2f} GB); nothing was kept") from e
         raise ConvertError(f"{out}: cannot write the output ({e.strerror or e}); nothing was kept") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -304,13 +313,21 @@ def _write_shards(source: GGUFSource, tmp: Path, precision: str, max_shard_bytes
     shard: ShardWriter | None = None
     try:
         for c in source.tensors(precision, progress=progress):
-            if shard is None or (shard.offset and shard.offset + c.nbytes > max_shard_bytes):
+            lo, hi = c.nbytes_range()  # the parts are streamed: their scale dtype may be known only after
+
+            def full(n: int) -> bool:
+                return shard is not None and bool(shard.offset) and shard.offset + n > max_shard_bytes
+
+            if full(lo) != full(hi) and c.prepare is not None:  # rare: decide the dtype first (a second pass)
+                c.prepare()
+                lo, hi = c.nbytes_range()
+            if shard is None or full(hi):
                 if shard is not None:
                     shard.close()
                 shard = ShardWriter(tmp / f"shard-{len(files) + 1}.tmp", reserve)
                 files.append(shard.path)
-            for name, a in c.arrays.items():
-                shard.add(name, a)
+            for name, part in c.parts.items():
+                shard.add(name, part)
                 weight_map[name] = shard.path.name
             _account(report, c)
             if c.spec is not None:

@@ -122,8 +122,10 @@ class GGUFSource:
         """Each tensor converted to ``precision`` (``mlx_dgemma.tiers``; "exact" is bit-exact),
         one at a time, in file order.
 
-        ``progress`` is called once a consumer has taken a tensor; then its pages are dropped
-        from the memory map, so the resident set stays at about one tensor.
+        Each tensor's parts read its rows from the file as the consumer takes them (see
+        :func:`~.tensors.convert_tensor`), so a streaming consumer holds a chunk, not the tensor.
+        ``progress`` is called once a consumer has taken a tensor; then any pages of it in the
+        memory map are dropped too.
         """
         tensors = list(self.reader.tensors)
         total, done = self.n_bytes, 0
@@ -132,6 +134,11 @@ class GGUFSource:
                 c = convert_tensor(self._read(t), precision, self.args.num_hidden_layers)
             except NonFiniteError as e:  # name the file too
                 raise NonFiniteError(f"{self.path}: {e}") from None
+            for part in c.parts.values():  # the parts are produced (and checked) as they are consumed
+                part.produce = self._naming_file(part.produce)
+            if c.prepare is not None:
+                prepare = c.prepare
+                c.prepare = lambda prepare=prepare: list(self._naming_file(lambda: iter([prepare()]))())
             yield c
             del c
             done += int(t.n_bytes)
@@ -139,6 +146,15 @@ class GGUFSource:
             if progress:
                 progress(done, total, i + 1, len(tensors), t.name)
         self.check_unchanged()
+
+    def _naming_file(self, produce: Callable[[], Iterator[np.ndarray]]) -> Callable[[], Iterator[np.ndarray]]:
+        """``produce`` with its NaN/Inf errors naming the file too."""
+        def named() -> Iterator[np.ndarray]:
+            try:
+                yield from produce()
+            except NonFiniteError as e:
+                raise NonFiniteError(f"{self.path}: {e}") from None
+        return named
 
     def check_unchanged(self) -> None:
         """The file still has the size and time it had when opened (another process may write it)."""
@@ -148,32 +164,42 @@ class GGUFSource:
                                f"{now.st_size}); nothing was kept, convert again once the file is complete")
 
     def _read(self, t) -> "_ReadTensor":
-        n, off = int(t.n_bytes), int(t.data_offset)
-        buf = np.empty(n, dtype=np.uint8)
-        view, got = memoryview(buf), 0
-        self._file.seek(off)
-        while got < n:
-            k = self._file.readinto(view[got:])
-            if not k:
-                raise ConvertError(f"{self.path}: the file changed during conversion (tensor {t.name!r} "
-                                   f"ends at byte {off + n}, the file now has {os.fstat(self._file.fileno()).st_size}); "
-                                   "nothing was kept, convert again once the file is complete")
-            got += k
-        like = t.data
-        return _ReadTensor(t.name, t.shape, t.tensor_type, t.n_bytes, t.data_offset,
-                           buf.view(like.dtype).reshape(like.shape))
+        """``t`` with a row reader: its rows are read from the file when the converter asks for
+        them (explicit reads, not the memory map: a file cut short is an error, not a SIGBUS, and
+        nothing of the input stays resident beyond the chunk being repacked)."""
+        off, n = int(t.data_offset), int(t.n_bytes)
+        ne = [int(x) for x in t.shape]
+        rows = int(np.prod(ne[1:])) if len(ne) > 1 else 1
+        row_bytes = n // rows
+
+        def read_rows(r0: int, r1: int) -> np.ndarray:
+            want = (r1 - r0) * row_bytes
+            buf = np.empty(want, dtype=np.uint8)
+            view, got = memoryview(buf), 0
+            self._file.seek(off + r0 * row_bytes)
+            while got < want:
+                k = self._file.readinto(view[got:])
+                if not k:
+                    raise ConvertError(f"{self.path}: the file changed during conversion (tensor {t.name!r} "
+                                       f"ends at byte {off + n}, the file now has "
+                                       f"{os.fstat(self._file.fileno()).st_size}); "
+                                       "nothing was kept, convert again once the file is complete")
+                got += k
+            return buf.reshape(r1 - r0, row_bytes)
+
+        return _ReadTensor(t.name, t.shape, t.tensor_type, t.n_bytes, t.data_offset, read_rows)
 
 
 @dataclass
 class _ReadTensor:
-    """A gguf-py tensor whose ``data`` was read into memory (what ``convert_tensor`` needs)."""
+    """A gguf-py tensor whose rows are read from the file on demand (what ``convert_tensor`` needs)."""
 
     name: str
     shape: Any
     tensor_type: Any
     n_bytes: int
     data_offset: int
-    data: np.ndarray
+    read_rows: Callable[[int, int], np.ndarray]
 
 
 def check_input_file(src: Path) -> None:

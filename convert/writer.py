@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .tensors import Part
+
 _DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint32): "U32",
            np.dtype(np.uint16): "BF16", np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32"}
 
@@ -34,12 +36,19 @@ class ShardWriter:
         self._f = open(path, "wb")
         self._f.seek(8 + self.reserve)
 
-    def add(self, name: str, a: np.ndarray) -> None:
-        a = np.ascontiguousarray(a)
-        self._f.write(memoryview(a.reshape(-1).view(np.uint8)))
-        self.entries[name] = {"dtype": st_dtype(a), "shape": list(a.shape),
-                              "data_offsets": [self.offset, self.offset + a.nbytes]}
-        self.offset += a.nbytes
+    def add(self, name: str, a: np.ndarray | Part) -> None:
+        """Append an array, or a :class:`~.tensors.Part` chunk by chunk (its whole never in memory)."""
+        if isinstance(a, np.ndarray):
+            shape, chunks = list(a.shape), iter([a])
+        else:
+            shape, chunks = list(a.shape), a.chunks()
+        n, tag = 0, None
+        for c in chunks:
+            c = np.ascontiguousarray(c)
+            self._f.write(memoryview(c.reshape(-1).view(np.uint8)))
+            n, tag = n + c.nbytes, st_dtype(c)
+        self.entries[name] = {"dtype": tag, "shape": shape, "data_offsets": [self.offset, self.offset + n]}
+        self.offset += n
 
     def close(self) -> None:
         header = json.dumps({"__metadata__": {"format": "mlx"}, **self.entries},

@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_dgemma.cache import DEFAULT_BUCKET
 from mlx_dgemma.errors import MemoryBudgetError
 from mlx_dgemma.model import ATTENTION_SCORES_BUDGET, DEFAULT_PREFILL_CHUNK, ModelArgs
+from mlx_dgemma.rss import current_rss_bytes, peak_rss_bytes  # noqa: F401 (re-exported)
 
 _F32 = 4
 
@@ -188,24 +189,6 @@ def check_fits(est: MemoryEstimate, prompt_tokens: int, available: int | None = 
 # Below this, MLX is not tracking the backend's allocations (the CPU backend allocates through
 # the system): the process's resident memory is the better number.
 MLX_TRACKED_MIN_BYTES = 64 << 20
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident memory (getrusage)."""
-    import resource
-    import sys
-
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024  # bytes on macOS, KiB on Linux
-
-
-def current_rss_bytes() -> int:
-    """Resident memory now (Linux /proc); the peak elsewhere."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return peak_rss_bytes()
 
 
 def _mlx(name: str) -> int:
