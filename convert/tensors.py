@@ -73,7 +73,7 @@ class Converted:
     module: str  # MLX module path: the key of ``spec`` in config.json's quantization section
     ggml_type: str
     parts: dict[str, Part]
-    spec: QuantSpec | None
+    spec: QuantSpec | None  # final once the parts are produced (an exact K-quant's scale dtype is decided then)
     n_elements: int
     gguf_bytes: int
     error: "_Error" = field(default_factory=lambda: _Error())

@@ -22,6 +22,10 @@ async def settle(pilot):
         await wait_for(pilot, lambda a=a: a.rendered == a.target)
     pilot.app.screen.set_focus(None)  # no blinking cursor in the picture
     pilot.app.clear_notifications()
+    # a widget that lost focus (the welcome screen's default button) restyles over the next frames:
+    # on a busy machine the picture could catch it half-way
+    await pilot.wait_for_scheduled_animations()
+    await pilot.pause(0.2)
 
 
 def test_main_screen_after_an_answer(snap_compare):

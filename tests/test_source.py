@@ -23,8 +23,8 @@ def test_names_and_quantization_keys_agree_with_the_converted_directory(tiny_ggu
     with GGUFSource(tiny_gguf) as source:
         planned = source.stored_names()  # known before converting (the writer reserves headers by it)
         tensors = list(source.tensors())
+        got = [name for c in tensors for name in c.arrays]  # produced: each spec's scale dtype is now known
         assert source.config({c.module: c.spec for c in tensors if c.spec}, "exact") == config
-    got = [name for c in tensors for name in c.arrays]
     assert got == planned and set(got) == set(index["weight_map"])
     specs = {k for k, v in config["quantization"].items() if isinstance(v, dict)}
     assert {c.module for c in tensors if c.spec is not None} == specs
