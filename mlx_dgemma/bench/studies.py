@@ -77,18 +77,24 @@ def quality(model_dir: Path, prompt_len: int, dtype: str | None = None, prompts:
             **block_agreement(exact, fast, tok, prompts, gen_steps)}
 
 
+def paired_steps(exact, other, prompt: mx.array, canvas: mx.array) -> list[tuple[str, mx.array, mx.array]]:
+    """Both models on the same input: the plain step's logits, then the self-conditioned step's
+    (conditioned on exact's first logits, so both see the same input): [(name, exact, other)]."""
+    ce, co = exact.make_cache(), other.make_cache()
+    exact.prefill(prompt, ce)
+    other.prefill(prompt, co)
+    e1, o1 = exact.denoise(canvas, ce), other.denoise(canvas, co)
+    sc = e1 / 0.6  # the next step's self-conditioning input, the same for both
+    e2, o2 = exact.denoise(canvas, ce, sc), other.denoise(canvas, co, sc)
+    return [("step", e1, o1), ("sc_step", e2, o2)]
+
+
 def logit_agreement(exact, fast, prompt_len: int, seed: int = 0) -> dict[str, float]:
     """Max relative logit error and top-1 agreement of ``fast`` against ``exact``."""
     a = exact.args
     prompt, canvas = random_inputs(a, a.canvas_length, prompt_len, seed)
     out: dict[str, float] = {}
-    ce, cf = exact.make_cache(), fast.make_cache()
-    exact.prefill(prompt, ce)
-    fast.prefill(prompt, cf)
-    e1, f1 = exact.denoise(canvas, ce), fast.denoise(canvas, cf)
-    sc = e1 / 0.6  # the next step's self-conditioning input, the same for both
-    e2, f2 = exact.denoise(canvas, ce, sc), fast.denoise(canvas, cf, sc)
-    for name, e, f in (("step", e1, f1), ("sc_step", e2, f2)):
+    for name, e, f in paired_steps(exact, fast, prompt, canvas):
         e, f = np.array(e.astype(mx.float32)), np.array(f.astype(mx.float32))
         out[f"{name}_max_rel_logit_error"] = float(np.abs(f - e).max() / np.abs(e).max())
         out[f"{name}_top1_agreement"] = float((f.argmax(-1) == e.argmax(-1)).mean())
@@ -235,13 +241,7 @@ def confident_agreement(exact, other, tok, texts: tuple[str, ...] = KJV_TEXTS) -
         canvas = np.full(C, exact.args.mask_token_id, dtype=np.int32)
         canvas[: len(rest) // 2] = rest[: len(rest) // 2]
         canvas = mx.array(canvas[None])
-        ce, co = exact.make_cache(), other.make_cache()
-        exact.prefill(prompt, ce)
-        other.prefill(prompt, co)
-        e1, o1 = exact.denoise(canvas, ce), other.denoise(canvas, co)
-        sc = e1 / 0.6  # the next step's self-conditioning input, the same for both
-        e2, o2 = exact.denoise(canvas, ce, sc), other.denoise(canvas, co, sc)
-        for name, e, o in (("step", e1, o1), ("sc_step", e2, o2)):
+        for name, e, o in paired_steps(exact, other, prompt, canvas):
             e, o = np.array(e.astype(mx.float32))[0], np.array(o.astype(mx.float32))[0]
             p = np.exp(e - e.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
