@@ -1,4 +1,5 @@
-"""GGUF metadata -> the model's shape (``mlx_dgemma.schema.ModelArgs``) and generation defaults."""
+"""GGUF metadata: what a DiffusionGemma GGUF's keys must hold (types, ranges, cross-field rules),
+and the model's shape (``mlx_dgemma.schema.ModelArgs``) and generation defaults read from them."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
-from mlx_dgemma.errors import NonFiniteError
+from mlx_dgemma.errors import ModelFilesError, NonFiniteError, ParameterError
 from mlx_dgemma.params import gguf_keys
 from mlx_dgemma.schema import ModelArgs, generation_defaults
+from mlx_dgemma.validate import (KIND_TEXT, TOKEN_ID_KEYS, check_chat_template, check_generation_field, kind_ok,
+                                 short_repr)
 
 from .errors import ConvertError
+from .scan import value_type_name
 
 ARCH = "diffusion-gemma"
 
@@ -38,22 +42,121 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {k: field_value(reader, k) for k in reader.fields if not k.startswith("GGUF.")}
 
 
-_TYPE_NAMES = {GGUFValueType.UINT8: "uint8", GGUFValueType.INT8: "int8", GGUFValueType.UINT16: "uint16",
-               GGUFValueType.INT16: "int16", GGUFValueType.UINT32: "uint32", GGUFValueType.INT32: "int32",
-               GGUFValueType.FLOAT32: "float32", GGUFValueType.BOOL: "bool", GGUFValueType.STRING: "string",
-               GGUFValueType.UINT64: "uint64", GGUFValueType.INT64: "int64", GGUFValueType.FLOAT64: "float64"}
-
-
 def field_kinds(reader: GGUFReader) -> dict[str, tuple[str, str | None, int]]:
     """key -> (value type, array item type or None, item count), for validation."""
     out = {}
     for k, f in reader.fields.items():
         if f.types and f.types[0] == GGUFValueType.ARRAY:
-            item = _TYPE_NAMES.get(f.types[-1], "array") if len(f.types) > 1 else "uint8"
+            item = value_type_name(f.types[-1]) if len(f.types) > 1 else "uint8"
             out[k] = ("array", item, len(f.data))
         elif f.types:
-            out[k] = (_TYPE_NAMES.get(f.types[0], "unknown"), None, 1)
+            out[k] = (value_type_name(f.types[0]), None, 1)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# What a DiffusionGemma GGUF's metadata must hold, checked before anything is built from it
+
+
+_P = ARCH + "."
+# key: (kind, low, high, required); kinds: int, float, bool, str, int|list
+_GGUF_KEYS: dict[str, tuple[str, float, float, bool]] = {
+    _P + "block_count": ("int", 1, 512, True),
+    _P + "context_length": ("int", 1, 1 << 24, True),
+    _P + "embedding_length": ("int", 1, 1 << 20, True),
+    _P + "feed_forward_length": ("int", 1, 1 << 22, True),
+    _P + "attention.head_count": ("int", 1, 1024, True),
+    _P + "attention.head_count_kv": ("int|list", 1, 1024, True),
+    _P + "attention.key_length": ("int", 1, 4096, True),
+    _P + "attention.key_length_swa": ("int", 1, 4096, True),
+    _P + "attention.sliding_window": ("int", 1, 1 << 24, True),
+    _P + "attention.sliding_window_pattern": ("list", 0, 0, True),
+    _P + "rope.freq_base": ("float", 1e-6, 1e30, True),
+    _P + "rope.freq_base_swa": ("float", 1e-6, 1e30, True),
+    _P + "attention.layer_norm_rms_epsilon": ("float", 1e-30, 1.0, True),
+    _P + "expert_count": ("int", 1, 4096, True),
+    _P + "expert_used_count": ("int", 1, 4096, True),
+    _P + "expert_feed_forward_length": ("int", 1, 1 << 22, True),
+    _P + "final_logit_softcapping": ("float", 1e-6, 1e6, False),
+    "diffusion.canvas_length": ("int", 1, 1 << 16, False),
+    "general.name": ("str", 0, 0, False),
+    "tokenizer.ggml.model": ("str", 0, 0, False),
+    "tokenizer.chat_template": ("str", 0, 0, False),
+}
+
+def check_gguf_metadata(md: dict[str, Any], kinds: dict[str, tuple[str, str | None, int]], source: str) -> int:
+    """Types, ranges and cross-field consistency of a DiffusionGemma GGUF's metadata. ``kinds``
+    (from :func:`scan_gguf`) covers the long tokenizer arrays that ``md`` only summarizes.
+    Returns the vocabulary size."""
+    def bad(key: str, rule: str) -> None:
+        raise ModelFilesError(f"{source}: {key} = {short_repr(md.get(key))}: expected {rule}; the file is not a "
+                              "valid DiffusionGemma GGUF")
+
+    for key, (kind, low, high, required) in _GGUF_KEYS.items():
+        if key not in md:
+            if required:
+                raise ModelFilesError(f"{source}: metadata key {key!r} is missing; the file is not a complete "
+                                      "DiffusionGemma GGUF")
+            continue
+        v = md[key]
+        if not kind_ok(kind, v):
+            bad(key, KIND_TEXT[kind])
+        if kind in ("int", "float") and not low <= v <= high:
+            bad(key, f"a value in [{low:g}, {high:g}]")
+        if kind == "int|list" and any(not low <= x <= high for x in (v if isinstance(v, list) else [v])):
+            bad(key, f"values in [{low:g}, {high:g}]")
+    n_layers = md[_P + "block_count"]
+    pattern = md[_P + "attention.sliding_window_pattern"]
+    if len(pattern) != n_layers or not all(isinstance(x, bool) for x in pattern):
+        bad(_P + "attention.sliding_window_pattern", f"{n_layers} booleans (one per layer)")
+    kv = md[_P + "attention.head_count_kv"]
+    if isinstance(kv, list) and len(kv) != n_layers:
+        bad(_P + "attention.head_count_kv", f"{n_layers} integers (one per layer)")
+    heads = md[_P + "attention.head_count"]
+    for x in kv if isinstance(kv, list) else [kv]:
+        if heads % x:
+            bad(_P + "attention.head_count_kv", f"divisors of attention.head_count = {heads}")
+    if md[_P + "expert_used_count"] > md[_P + "expert_count"]:
+        bad(_P + "expert_used_count", f"at most expert_count = {md[_P + 'expert_count']}")
+    ctx, canvas = md[_P + "context_length"], md.get("diffusion.canvas_length", 256)
+    if canvas >= ctx:  # a block needs the canvas and at least one prompt token in the context
+        shown = "" if "diffusion.canvas_length" in md else " (absent: the default)"
+        raise ModelFilesError(f"{source}: diffusion.canvas_length = {canvas}{shown}: expected at most {ctx - 1}, "
+                              f"below {_P}context_length = {ctx} (a canvas and its prompt must fit in the "
+                              "context); the file is not a valid DiffusionGemma GGUF")
+    for key, param in gguf_keys().items():  # diffusion.eb_*: sampler defaults
+        if key in md:
+            try:
+                check_generation_field(param.name, md[key])
+            except ParameterError as e:
+                bad(key, e.rule or "a valid value")
+    # tokenizer: arrays checked by type and length (md only summarizes long ones)
+    tokens = kinds.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        vocab = None
+    else:
+        if tokens[0] != "array" or tokens[1] != "string" or tokens[2] < 1:
+            raise ModelFilesError(f"{source}: tokenizer.ggml.tokens: expected a non-empty array of strings; "
+                                  "the file has no usable vocabulary")
+        vocab = tokens[2]
+        if vocab > 1 << 22:
+            raise ModelFilesError(f"{source}: tokenizer.ggml.tokens has {vocab} entries (at most {1 << 22})")
+        for key, item in (("tokenizer.ggml.scores", "float32"), ("tokenizer.ggml.token_type", "int32")):
+            k = kinds.get(key)
+            if k is not None and (k[0] != "array" or k[2] != vocab or k[1] not in (item, "uint32", "int32", "float32")):
+                raise ModelFilesError(f"{source}: {key}: expected an array of {vocab} numbers (one per token)")
+        k = kinds.get("tokenizer.ggml.merges")
+        if k is not None and (k[0] != "array" or k[1] != "string"):
+            raise ModelFilesError(f"{source}: tokenizer.ggml.merges: expected an array of strings 'a b'")
+        model = md.get("tokenizer.ggml.model", "gemma4")
+        if model not in ("gemma4", "llama"):
+            bad("tokenizer.ggml.model", "'gemma4' or 'llama'")
+        for key in TOKEN_ID_KEYS:
+            if key in md and not (kind_ok("int", md[key]) and 0 <= md[key] < vocab):
+                bad(key, f"a token id in [0, {vocab})")
+    if "tokenizer.chat_template" in md:
+        check_chat_template(md["tokenizer.chat_template"], f"{source}: tokenizer.chat_template")
+    return vocab
 
 
 def array_len(reader: GGUFReader, key: str) -> int | None:

@@ -29,13 +29,13 @@ from gguf import GGUFReader
 from mlx_dgemma.errors import NonFiniteError
 from mlx_dgemma.paths import check_gguf_input, user_path
 from mlx_dgemma.schema import ModelArgs, QuantSpec
-from mlx_dgemma.validate import check_gguf_metadata, scan_gguf
 
 from .errors import ConvertError
-from .metadata import (ARCH, args_from_metadata, array_len, field_kinds, field_value, generation_config,
-                       partial_rotary_factor, read_metadata)
+from .metadata import (ARCH, args_from_metadata, array_len, check_gguf_metadata, field_kinds, field_value,
+                       generation_config, partial_rotary_factor, read_metadata)
 from .names import mlx_name, module_path, stored_names
 from .quants import FLOAT_TYPES
+from .scan import scan_gguf
 from .tensors import Converted, check_inventory, convert_tensor
 
 FORMAT_VERSION = 1
@@ -213,13 +213,8 @@ def open_gguf(path: Path, architecture: str | None = ARCH) -> GGUFReader:
     parse; ``architecture=None`` opens any GGUF."""
     path = user_path(path)
     check_input_file(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ConvertError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
-                           "download the .gguf model file itself")
     # bounded pre-scan: counts checked against the file size before gguf-py allocates from them
-    scan_gguf(path, error=ConvertError, expect_arch=architecture)
+    scan_gguf(path, architecture)
     try:
         return GGUFReader(path, "r")
     except (ValueError, IndexError, OSError, struct.error, UnicodeDecodeError) as e:

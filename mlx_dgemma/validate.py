@@ -1,28 +1,25 @@
-"""Validation at the boundaries, once: a GGUF file (structure, then metadata) and a converted
-directory (config.json, safetensors headers, tokenizer, generation config, chat template).
+"""Validation at the boundaries, once: generation parameters and a converted directory
+(config.json, safetensors headers, tokenizer, generation config, chat template).
 
 Everything here runs before any real work and never allocates from a count found in a file
 before checking it against the file's size. Every error names the file and the key (or
-tensor) and says what was expected. Pure Python and NumPy: no MLX, so ``convert`` and
-``verify`` use it as cheaply as ``load`` does.
+tensor) and says what was expected. Pure Python: no MLX, so ``convert`` and ``verify`` use it
+as cheaply as ``load`` does. A GGUF itself (its binary layout and metadata) is checked in the
+converter package (``mlx_dgemma.convert.scan``, ``mlx_dgemma.convert.metadata``), which the
+core reaches only through ``GGUFSource``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
-import os
 import struct
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import params
 from .errors import ModelFilesError, ParameterError
 from .paths import input_problem
-
-ARCH = "diffusion-gemma"
 
 # ---------------------------------------------------------------------------------------------
 # Generation parameters (generation_config.json, GGUF diffusion.eb_* keys, CLI flags, API)
@@ -73,269 +70,27 @@ def check_generation_config(cfg: Any, source: str, vocab_size: int | None = None
         try:
             check_generation_field(k, v)
         except ParameterError as e:
-            raise ModelFilesError(f"{source}: {k} = {_short(v)}: must be {e.rule}; fix the file or "
+            raise ModelFilesError(f"{source}: {k} = {short_repr(v)}: must be {e.rule}; fix the file or "
                                   "convert the model again") from None
         if vocab_size is not None and k.endswith("token_id"):
             ids = v if isinstance(v, (list, tuple)) else [v]
             if any(i >= vocab_size for i in ids):
-                raise ModelFilesError(f"{source}: {k} = {_short(v)}: must be below the vocabulary size "
+                raise ModelFilesError(f"{source}: {k} = {short_repr(v)}: must be below the vocabulary size "
                                       f"{vocab_size}")
     t_min, t_max = cfg.get("t_min", 0.4), cfg.get("t_max", 0.8)
     if not t_max > t_min:
         raise ModelFilesError(f"{source}: t_min = {t_min}, t_max = {t_max}: the schedule needs t_min < t_max")
 
 
-def _short(v: Any, n: int = 60) -> str:
+def short_repr(v: Any, n: int = 60) -> str:
+    """``repr(v)`` cut to ``n`` characters: a value quoted in a one-line error."""
     r = repr(v)
     return r if len(r) <= n else r[: n - 3] + "..."
 
 
-# ---------------------------------------------------------------------------------------------
-# GGUF structure: a bounded pre-scan before gguf-py parses anything
-
-_SCALARS = {0: ("uint8", 1), 1: ("int8", 1), 2: ("uint16", 2), 3: ("int16", 2), 4: ("uint32", 4),
-            5: ("int32", 4), 6: ("float32", 4), 7: ("bool", 1), 10: ("uint64", 8), 11: ("int64", 8),
-            12: ("float64", 8)}
-_STRING, _ARRAY = 8, 9
-_MAX_DIMS = 4
-
-
-@dataclass
-class GGUFTensorInfo:
-    name: str
-    dims: tuple[int, ...]
-    ggml_type: int
-    offset: int  # absolute, in the file
-    n_bytes: int
-
-
-@dataclass
-class GGUFScan:
-    """What the pre-scan found: value types per key and the tensor table, all inside the file."""
-
-    version: int
-    size: int
-    kinds: dict[str, tuple[str, str | None, int]] = field(default_factory=dict)  # key: (type, item type, count)
-    arch: str | None = None
-    alignment: int = 32
-    data_start: int = 0
-    tensors: list[GGUFTensorInfo] = field(default_factory=list)
-
-
-class _Cursor:
-    def __init__(self, buf, size: int, source: str, error: type[Exception]):
-        self.buf, self.size, self.pos, self.source, self.error = buf, size, 0, source, error
-
-    def fail(self, what: str) -> None:
-        raise self.error(f"{self.source}: {what} (at byte {self.pos} of {self.size}); the file is truncated "
-                         "or corrupt, download it again")
-
-    def need(self, n: int, what: str) -> None:
-        if n < 0 or self.pos + n > self.size:
-            self.fail(f"{what} needs {n} bytes, past the end of the file")
-
-    def unpack(self, fmt: str, what: str) -> Any:
-        n = struct.calcsize(fmt)
-        self.need(n, what)
-        v = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += n
-        return v[0] if len(v) == 1 else v
-
-    def string(self, what: str, decode: bool = True) -> str | None:
-        n = self.unpack("<Q", what)
-        self.need(n, what)
-        if not decode:
-            self.pos += n
-            return None
-        raw = self.buf[self.pos:self.pos + n]
-        self.pos += n
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            self.fail(f"{what} is not valid UTF-8")
-        return None
-
-
-_U64 = struct.Struct("<Q")
-
-
-def _strings(c: _Cursor, count: int, key: str) -> None:
-    """Skip ``count`` length-prefixed strings, each inside the file and UTF-8 (they end up in
-    JSON files); the hot loop of a 262k-token vocabulary, hence the local names."""
-    buf, pos, end, unpack = c.buf, c.pos, c.size, _U64.unpack_from
-    try:
-        for i in range(count):
-            if pos + 8 > end:
-                break
-            (n,) = unpack(buf, pos)
-            pos += 8
-            if n > end - pos:
-                break
-            buf[pos:pos + n].decode("utf-8")
-            pos += n
-        else:
-            c.pos = pos
-            return
-    except UnicodeDecodeError:
-        c.pos = pos
-        c.fail(f"item {i} of {key!r} is not valid UTF-8")
-    c.pos = pos
-    c.fail(f"item {i} of {key!r} needs more bytes than the file has")
-
-
-def scan_gguf(path: Path, source: str | None = None, error: type[Exception] = ModelFilesError,
-              expect_arch: str | None = ARCH) -> GGUFScan:
-    """Walk a GGUF's header, metadata and tensor table with every count checked against the
-    bytes left, before anything is allocated from it. Stops early (cheaply) on another
-    ``general.architecture``. Checks tensor types, shapes, alignment, bounds and overlaps."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    source = source or str(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        if size < 24:
-            raise error(f"{source}: {size} bytes is too short for a GGUF header; the file is truncated")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            # slices of an mmap are bytes copies: no exported buffer outlives an error
-            return _scan(_Cursor(mm, size, source, error), size, error, expect_arch, GGML_QUANT_SIZES,
-                         GGMLQuantizationType)
-
-
-def _scan(c: _Cursor, size: int, error, expect_arch, quant_sizes, qtypes) -> GGUFScan:
-    source = c.source
-    magic = bytes(c.buf[:4])
-    if magic != b"GGUF":
-        raise error(f"{source}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-    c.pos = 4
-    version = c.unpack("<I", "version")
-    if version not in (2, 3):
-        raise error(f"{source}: GGUF version {version} is not supported (expected 2 or 3; a big-endian "
-                    "or future file); convert it with a current llama.cpp")
-    n_tensors = c.unpack("<Q", "tensor count")
-    n_kv = c.unpack("<Q", "metadata count")
-    if n_kv > (size - c.pos) // 13 or n_tensors > (size - c.pos) // 24:
-        c.fail(f"header claims {n_kv} metadata entries and {n_tensors} tensors, more than the file holds")
-    scan = GGUFScan(version, size)
-    for _ in range(n_kv):
-        key = c.string("metadata key")
-        if key in scan.kinds:
-            c.fail(f"metadata key {key!r} appears twice")
-        vtype = c.unpack("<I", f"type of {key!r}")
-        if vtype == _STRING:
-            value = c.string(f"value of {key!r}")
-            if key == "general.architecture":  # usually the first key: a wrong file is refused at once
-                scan.arch = value
-                if expect_arch is not None and value != expect_arch:
-                    raise error(f"{source}: general.architecture is {value!r}, expected {expect_arch!r}; "
-                                "this tool reads DiffusionGemma GGUF files only")
-            scan.kinds[key] = ("string", None, 1)
-        elif vtype in _SCALARS:
-            name, n = _SCALARS[vtype]
-            c.need(n, f"value of {key!r}")
-            if key == "general.alignment":
-                scan.alignment = int.from_bytes(c.buf[c.pos:c.pos + n], "little") if name.startswith("uint") else -1
-            c.pos += n
-            scan.kinds[key] = (name, None, 1)
-        elif vtype == _ARRAY:
-            itype = c.unpack("<I", f"item type of {key!r}")
-            count = c.unpack("<Q", f"length of {key!r}")
-            if itype in _SCALARS:
-                iname, n = _SCALARS[itype]
-                if count > (size - c.pos) // n:
-                    c.fail(f"array {key!r} claims {count} items of {n} bytes, more than the file holds")
-                c.pos += count * n
-            elif itype == _STRING:
-                iname = "string"
-                if count > (size - c.pos) // 8:
-                    c.fail(f"array {key!r} claims {count} strings, more than the file holds")
-                _strings(c, count, key)
-            else:  # nested arrays: no DiffusionGemma key uses them
-                c.fail(f"metadata {key!r} is an array of type {itype}; only arrays of numbers, booleans or "
-                       "strings are supported")
-            scan.kinds[key] = ("array", iname, count)
-        else:
-            c.fail(f"metadata {key!r} has unknown value type {vtype}")
-    align = scan.alignment
-    if align < 1 or align > 1 << 20 or align & (align - 1):
-        raise error(f"{source}: general.alignment = {align}: must be a power of two up to 1048576")
-    names = set()
-    infos = []
-    for _ in range(n_tensors):
-        name = c.string("tensor name")
-        if name in names:
-            c.fail(f"tensor {name!r} appears twice in the tensor table")
-        names.add(name)
-        n_dims = c.unpack("<I", f"dimension count of tensor {name!r}")
-        if not 1 <= n_dims <= _MAX_DIMS:
-            c.fail(f"tensor {name!r} has {n_dims} dimensions (expected 1 to {_MAX_DIMS})")
-        dims = tuple(c.unpack("<Q", f"shape of tensor {name!r}") for _ in range(n_dims))
-        ttype = c.unpack("<I", f"type of tensor {name!r}")
-        offset = c.unpack("<Q", f"offset of tensor {name!r}")
-        try:
-            qt = qtypes(ttype)
-            block, type_size = quant_sizes[qt]
-        except (ValueError, KeyError):
-            raise error(f"{source}: tensor {name!r} has unknown ggml type {ttype}; the file is corrupt or "
-                        "from a newer llama.cpp") from None
-        n = math.prod(dims)
-        if any(d < 1 for d in dims) or n >= 1 << 48:
-            raise error(f"{source}: tensor {name!r} has shape {list(dims)}; each dimension must be >= 1 "
-                        "and the total below 2**48")
-        if dims[0] % block:
-            raise error(f"{source}: tensor {name!r} has a row of {dims[0]} values, not a multiple of the "
-                        f"{qt.name} block size {block}")
-        if offset % align:
-            raise error(f"{source}: tensor {name!r} starts at offset {offset}, not a multiple of the "
-                        f"alignment {align}")
-        infos.append((name, dims, ttype, offset, n // block * type_size))
-    data_start = c.pos + (-c.pos) % align
-    scan.data_start = data_start
-    for name, dims, ttype, offset, nb in infos:
-        start = data_start + offset
-        if start + nb > size:
-            raise error(f"{source}: tensor {name!r} ({nb} bytes at {start}) ends past the end of the file "
-                        f"({size} bytes); the file is truncated, download it again")
-        scan.tensors.append(GGUFTensorInfo(name, dims, ttype, start, nb))
-    spans = sorted(scan.tensors, key=lambda t: t.offset)
-    for a, b in zip(spans, spans[1:]):
-        if a.offset + a.n_bytes > b.offset:
-            raise error(f"{source}: tensors {a.name!r} and {b.name!r} overlap in the file (bytes "
-                        f"{a.offset}..{a.offset + a.n_bytes} and {b.offset}..); the file is corrupt")
-    return scan
-
-
-# ---------------------------------------------------------------------------------------------
-# GGUF metadata values
-
-_P = ARCH + "."
-# key: (kind, low, high, required); kinds: int, float, bool, str, int|list
-_GGUF_KEYS: dict[str, tuple[str, float, float, bool]] = {
-    _P + "block_count": ("int", 1, 512, True),
-    _P + "context_length": ("int", 1, 1 << 24, True),
-    _P + "embedding_length": ("int", 1, 1 << 20, True),
-    _P + "feed_forward_length": ("int", 1, 1 << 22, True),
-    _P + "attention.head_count": ("int", 1, 1024, True),
-    _P + "attention.head_count_kv": ("int|list", 1, 1024, True),
-    _P + "attention.key_length": ("int", 1, 4096, True),
-    _P + "attention.key_length_swa": ("int", 1, 4096, True),
-    _P + "attention.sliding_window": ("int", 1, 1 << 24, True),
-    _P + "attention.sliding_window_pattern": ("list", 0, 0, True),
-    _P + "rope.freq_base": ("float", 1e-6, 1e30, True),
-    _P + "rope.freq_base_swa": ("float", 1e-6, 1e30, True),
-    _P + "attention.layer_norm_rms_epsilon": ("float", 1e-30, 1.0, True),
-    _P + "expert_count": ("int", 1, 4096, True),
-    _P + "expert_used_count": ("int", 1, 4096, True),
-    _P + "expert_feed_forward_length": ("int", 1, 1 << 22, True),
-    _P + "final_logit_softcapping": ("float", 1e-6, 1e6, False),
-    "diffusion.canvas_length": ("int", 1, 1 << 16, False),
-    "general.name": ("str", 0, 0, False),
-    "tokenizer.ggml.model": ("str", 0, 0, False),
-    "tokenizer.chat_template": ("str", 0, 0, False),
-}
-_TOKEN_IDS = ("bos", "eos", "unknown", "padding", "mask")
-
-
-def _kind_ok(kind: str, v: Any) -> bool:
+def kind_ok(kind: str, v: Any) -> bool:
+    """``v`` is of ``kind``: "int", "float" (finite), "str", "list" or "int|list" (of ints);
+    :data:`KIND_TEXT` says each in an error. Booleans are not numbers here."""
     if kind == "int":
         return _is_int(v)
     if kind == "float":
@@ -349,84 +104,8 @@ def _kind_ok(kind: str, v: Any) -> bool:
     return False
 
 
-_KIND_TEXT = {"int": "an integer", "float": "a finite number", "str": "a string", "list": "an array",
-              "int|list": "an integer or an array of integers (one per layer)"}
-
-
-def check_gguf_metadata(md: dict[str, Any], kinds: dict[str, tuple[str, str | None, int]], source: str) -> int:
-    """Types, ranges and cross-field consistency of a DiffusionGemma GGUF's metadata. ``kinds``
-    (from :func:`scan_gguf`) covers the long tokenizer arrays that ``md`` only summarizes.
-    Returns the vocabulary size."""
-    def bad(key: str, rule: str) -> None:
-        raise ModelFilesError(f"{source}: {key} = {_short(md.get(key))}: expected {rule}; the file is not a "
-                              "valid DiffusionGemma GGUF")
-
-    for key, (kind, low, high, required) in _GGUF_KEYS.items():
-        if key not in md:
-            if required:
-                raise ModelFilesError(f"{source}: metadata key {key!r} is missing; the file is not a complete "
-                                      "DiffusionGemma GGUF")
-            continue
-        v = md[key]
-        if not _kind_ok(kind, v):
-            bad(key, _KIND_TEXT[kind])
-        if kind in ("int", "float") and not low <= v <= high:
-            bad(key, f"a value in [{low:g}, {high:g}]")
-        if kind == "int|list" and any(not low <= x <= high for x in (v if isinstance(v, list) else [v])):
-            bad(key, f"values in [{low:g}, {high:g}]")
-    n_layers = md[_P + "block_count"]
-    pattern = md[_P + "attention.sliding_window_pattern"]
-    if len(pattern) != n_layers or not all(isinstance(x, bool) for x in pattern):
-        bad(_P + "attention.sliding_window_pattern", f"{n_layers} booleans (one per layer)")
-    kv = md[_P + "attention.head_count_kv"]
-    if isinstance(kv, list) and len(kv) != n_layers:
-        bad(_P + "attention.head_count_kv", f"{n_layers} integers (one per layer)")
-    heads = md[_P + "attention.head_count"]
-    for x in kv if isinstance(kv, list) else [kv]:
-        if heads % x:
-            bad(_P + "attention.head_count_kv", f"divisors of attention.head_count = {heads}")
-    if md[_P + "expert_used_count"] > md[_P + "expert_count"]:
-        bad(_P + "expert_used_count", f"at most expert_count = {md[_P + 'expert_count']}")
-    ctx, canvas = md[_P + "context_length"], md.get("diffusion.canvas_length", 256)
-    if canvas >= ctx:  # a block needs the canvas and at least one prompt token in the context
-        shown = "" if "diffusion.canvas_length" in md else " (absent: the default)"
-        raise ModelFilesError(f"{source}: diffusion.canvas_length = {canvas}{shown}: expected at most {ctx - 1}, "
-                              f"below {_P}context_length = {ctx} (a canvas and its prompt must fit in the "
-                              "context); the file is not a valid DiffusionGemma GGUF")
-    for key, param in params.gguf_keys().items():  # diffusion.eb_*: sampler defaults
-        if key in md:
-            try:
-                check_generation_field(param.name, md[key])
-            except ParameterError as e:
-                bad(key, e.rule or "a valid value")
-    # tokenizer: arrays checked by type and length (md only summarizes long ones)
-    tokens = kinds.get("tokenizer.ggml.tokens")
-    if tokens is None:
-        vocab = None
-    else:
-        if tokens[0] != "array" or tokens[1] != "string" or tokens[2] < 1:
-            raise ModelFilesError(f"{source}: tokenizer.ggml.tokens: expected a non-empty array of strings; "
-                                  "the file has no usable vocabulary")
-        vocab = tokens[2]
-        if vocab > 1 << 22:
-            raise ModelFilesError(f"{source}: tokenizer.ggml.tokens has {vocab} entries (at most {1 << 22})")
-        for key, item in (("tokenizer.ggml.scores", "float32"), ("tokenizer.ggml.token_type", "int32")):
-            k = kinds.get(key)
-            if k is not None and (k[0] != "array" or k[2] != vocab or k[1] not in (item, "uint32", "int32", "float32")):
-                raise ModelFilesError(f"{source}: {key}: expected an array of {vocab} numbers (one per token)")
-        k = kinds.get("tokenizer.ggml.merges")
-        if k is not None and (k[0] != "array" or k[1] != "string"):
-            raise ModelFilesError(f"{source}: tokenizer.ggml.merges: expected an array of strings 'a b'")
-        model = md.get("tokenizer.ggml.model", "gemma4")
-        if model not in ("gemma4", "llama"):
-            bad("tokenizer.ggml.model", "'gemma4' or 'llama'")
-        for name in _TOKEN_IDS:
-            key = f"tokenizer.ggml.{name}_token_id"
-            if key in md and not (_is_int(md[key]) and 0 <= md[key] < vocab):
-                bad(key, f"a token id in [0, {vocab})")
-    if "tokenizer.chat_template" in md:
-        check_chat_template(md["tokenizer.chat_template"], f"{source}: tokenizer.chat_template")
-    return vocab
+KIND_TEXT = {"int": "an integer", "float": "a finite number", "str": "a string", "list": "an array",
+             "int|list": "an integer or an array of integers (one per layer)"}
 
 
 def check_chat_template(text: str, source: str) -> None:
@@ -450,6 +129,9 @@ def check_chat_template(text: str, source: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Tokenizer data (tokenizer_gguf.json, or the GGUF's tokenizer.* keys as plain Python)
 
+# the special tokens' ids, each checked against the vocabulary
+TOKEN_ID_KEYS = tuple(f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "unknown", "padding", "mask"))
+
 def check_tokenizer_data(data: Any, source: str, vocab_size: int | None = None) -> None:
     """tokenizer_gguf.json: types, ids in range, merges well formed (before the backend sees it)."""
     def bad(key: str, rule: str) -> None:
@@ -469,8 +151,7 @@ def check_tokenizer_data(data: Any, source: str, vocab_size: int | None = None) 
     types = data.get("tokenizer.ggml.token_type")
     if types is not None and (not isinstance(types, list) or len(types) != n or not all(_is_int(t) for t in types)):
         bad("tokenizer.ggml.token_type", f"a list of {n} integers")
-    for name in _TOKEN_IDS:
-        key = f"tokenizer.ggml.{name}_token_id"
+    for key in TOKEN_ID_KEYS:
         if key in data and not (_is_int(data[key]) and 0 <= data[key] < n):
             bad(key, f"a token id in [0, {n})")
     merges = data.get("tokenizer.ggml.merges", [])
@@ -483,7 +164,7 @@ def check_tokenizer_data(data: Any, source: str, vocab_size: int | None = None) 
                 bad(f"tokenizer.ggml.merges[{i}]", "a string 'left right'")
             left, right = m.split(" ", 1)
             if left not in vocab or right not in vocab:
-                bad(f"tokenizer.ggml.merges[{i}] = {_short(m)}", "two tokens of the vocabulary")
+                bad(f"tokenizer.ggml.merges[{i}] = {short_repr(m)}", "two tokens of the vocabulary")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,7 +204,7 @@ def read_json(path: Path, what: str = "a JSON object") -> Any:
 def check_config(config: Any, source: str) -> None:
     """config.json of a converted directory: keys, types, ranges, cross-field consistency."""
     def bad(key: str, rule: str, value: Any = None) -> None:
-        raise ModelFilesError(f"{source}: {key} = {_short(value)}: expected {rule}; convert the model again")
+        raise ModelFilesError(f"{source}: {key} = {short_repr(value)}: expected {rule}; convert the model again")
 
     if not isinstance(config, dict):
         raise ModelFilesError(f"{source}: expected a JSON object, got {type(config).__name__}; convert the "
@@ -541,8 +222,8 @@ def check_config(config: Any, source: str) -> None:
         if key not in tc:
             raise ModelFilesError(f"{source}: text_config.{key} is missing; convert the model again")
         v = tc[key]
-        if not _kind_ok(kind, v) or not low <= v <= high:
-            bad(f"text_config.{key}", f"{_KIND_TEXT[kind]} in [{low:g}, {high:g}]", v)
+        if not kind_ok(kind, v) or not low <= v <= high:
+            bad(f"text_config.{key}", f"{KIND_TEXT[kind]} in [{low:g}, {high:g}]", v)
     n = tc["num_hidden_layers"]
     lt = tc.get("layer_types")
     if not isinstance(lt, list) or len(lt) != n or not all(x in ("sliding_attention", "full_attention") for x in lt):
@@ -613,7 +294,7 @@ def check_safetensors(path: Path) -> dict[str, dict]:
             and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 \
             and all(_is_int(x) for x in e["data_offsets"])
         if not ok:
-            raise ModelFilesError(f"{path}: tensor {name!r} has a malformed header entry {_short(e)}; convert "
+            raise ModelFilesError(f"{path}: tensor {name!r} has a malformed header entry {short_repr(e)}; convert "
                                   "the model again")
         a, b = e["data_offsets"]
         if not 0 <= a <= b <= data:

@@ -133,11 +133,11 @@ def test_tensor_table(work, capsys, tiny_gguf, edit, expect):
 
 def poisoned_gguf(path, tensor: str, value: float):
     """A float32 tiny GGUF whose ``tensor`` starts with ``value`` (NaN or Inf)."""
-    from mlx_dgemma.validate import scan_gguf
+    from mlx_dgemma.convert.scan import scan_gguf
 
     src = write_tiny_gguf(path, TinySpec(), types="f32")
     data = bytearray(src.read_bytes())
-    start = next(t.offset for t in scan_gguf(src).tensors if t.name == tensor)
+    start = next(t.offset for t in scan_gguf(src, None).tensors if t.name == tensor)
     data[start:start + 4] = np.float32(value).tobytes()
     src.write_bytes(bytes(data))
     return src

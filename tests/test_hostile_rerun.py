@@ -93,9 +93,9 @@ def test_verify_reports_nan_as_a_mismatch_without_a_warning(work, capsys, tiny_m
 def test_non_finite_rope_freqs_is_named(work, capsys, value, where):
     # before: NaN (and Inf in the rotated prefix) said "other frequency factors are not supported"
     src = write_tiny_gguf(work / "m.gguf", TinySpec(), types="f32")
-    from mlx_dgemma.validate import scan_gguf
+    from mlx_dgemma.convert.scan import scan_gguf
 
-    info = next(t for t in scan_gguf(src).tensors if t.name == "rope_freqs.weight")
+    info = next(t for t in scan_gguf(src, None).tensors if t.name == "rope_freqs.weight")
     data = bytearray(src.read_bytes())
     pos = info.offset + (0 if where == 0 else info.n_bytes - 4)
     data[pos:pos + 4] = np.float32(value).tobytes()
