@@ -19,15 +19,13 @@ from gguf.quants import dequantize as gguf_dequantize
 from mlx_dgemma.paths import user_path
 from mlx_dgemma.tiers import stored_precision
 
-from mlx_dgemma.schema import ModelArgs, QuantSpec, unpad_subblocks
-from mlx_dgemma.validate import check_model_dir, check_safetensors, model_dir_shards
+from mlx_dgemma.schema import SAFETENSORS_DTYPES, STORED_DTYPES, ModelArgs, QuantSpec, unpad_subblocks
+from mlx_dgemma.validate import check_model_dir, check_safetensors, model_dir_shards, short_repr
 from .errors import ConvertError
 from .metadata import ARCH
 from .names import mlx_name, module_path, stored_names
 from .source import GGUFSource
 
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "U32": np.uint32, "BF16": np.uint16,
-              "U8": np.uint8, "I32": np.int32}
 _CHUNK_ELEMENTS = 1 << 22
 
 
@@ -38,10 +36,10 @@ def open_safetensors(path: Path) -> dict[str, np.ndarray]:
         (n,) = struct.unpack("<Q", f.read(8))
     out = {}
     for name, e in header.items():
-        if e["dtype"] not in _ST_DTYPES:
+        if e["dtype"] not in STORED_DTYPES:
             raise ConvertError(f"{path}: tensor {name!r} has dtype {e['dtype']}, which mlx-dgemma never "
                                "writes; convert the model again")
-        dtype = np.dtype(_ST_DTYPES[e["dtype"]])
+        dtype = SAFETENSORS_DTYPES[e["dtype"]]
         a, b = e["data_offsets"]
         count = (b - a) // dtype.itemsize
         out[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + n + a, shape=(count,)).reshape(e["shape"])
@@ -72,13 +70,8 @@ def check_same_model(config: dict, gguf_cfg: ModelArgs, model_dir: Path, gguf_pa
     for k in _SHAPE_KEYS:
         if ours.get(k) != theirs.get(k):
             raise ConvertError(f"{model_dir}: converted from a different model than {gguf_path} (text_config.{k} "
-                               f"is {_short(ours.get(k))} here, {_short(theirs.get(k))} in the GGUF); verify "
-                               "against the GGUF it was converted from")
-
-
-def _short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 40 else r[:37] + "..."
+                               f"is {short_repr(ours.get(k), 40)} here, {short_repr(theirs.get(k), 40)} in the "
+                               "GGUF); verify against the GGUF it was converted from")
 
 
 @dataclass

@@ -9,15 +9,17 @@ from pathlib import Path
 
 import numpy as np
 
+from mlx_dgemma.schema import SAFETENSORS_DTYPES, STORED_DTYPES
+
 from .tensors import Part
 
-_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint32): "U32",
-           np.dtype(np.uint16): "BF16", np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32"}
+# a stored array's dtype -> its tag (uint16 arrays are bfloat16 payloads: STORED_DTYPES has no U16)
+_TAGS = {SAFETENSORS_DTYPES[tag]: tag for tag in STORED_DTYPES}
 
 
 def st_dtype(a: np.ndarray) -> str:
     """safetensors dtype tag; uint16 arrays are bfloat16 payloads (see tensors.BF16Payload)."""
-    return _DTYPES[a.dtype]
+    return _TAGS[a.dtype]
 
 
 class ShardWriter:

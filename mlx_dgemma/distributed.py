@@ -27,6 +27,7 @@ import numpy as np
 
 from .errors import ModelFilesError, ParameterError
 from .launch import launched, launched_rank  # noqa: F401 (launched_rank re-exported)
+from .schema import SAFETENSORS_DTYPES
 
 Range = tuple[int, int]
 
@@ -138,10 +139,6 @@ def shard_module(module: nn.Module, split: Split) -> None:
 # Reading a rank's slices from the converted directory's safetensors files
 
 
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32, "I32": np.int32,
-              "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I64": np.int64, "BOOL": np.bool_}
-
-
 def _header(path: Path) -> tuple[dict, int]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -162,7 +159,7 @@ def read_sliced(path: Path, wanted: dict[str, tuple[int, list[Range]] | None]) -
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            dt = _ST_DTYPES.get(info["dtype"])
+            dt = SAFETENSORS_DTYPES.get(info["dtype"])
             if dt is None:
                 raise ModelFilesError(f"{path}: tensor {name}: dtype {info['dtype']} is not one a converted "
                                       "model holds; convert the model again")

@@ -5,6 +5,8 @@
 - :class:`SamplerDefaults`: the reference sampler's defaults (``generation_config.json`` when
   the GGUF does not override them); ``mlx_dgemma.sampler.SamplerParams`` extends it.
 - :class:`QuantSpec`: how one quantized weight is stored (``config.json``'s ``quantization``).
+- :data:`SAFETENSORS_DTYPES` / :data:`STORED_DTYPES`: the weight files' dtype tags, and those
+  a converted directory holds.
 - :func:`pad_subblocks` / :func:`unpad_subblocks`: the padded sub-block layout of Q2_K, Q3_K
   and Q6_K, for NumPy arrays (the converter) and MLX arrays (the quantized layers) alike.
 
@@ -110,6 +112,19 @@ class QuantSpec:
     def padded(self) -> bool:
         """Stored rows are twice as wide: every 16-element sub-block padded to a 32-element group."""
         return self.subblock == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# the weights' safetensors files
+
+# a safetensors header's dtype tag -> the NumPy dtype of its bytes (bfloat16 as its raw uint16 payload,
+# which the runtime views as bfloat16)
+SAFETENSORS_DTYPES: dict[str, np.dtype] = {tag: np.dtype(t) for tag, t in (
+    ("F64", np.float64), ("F32", np.float32), ("F16", np.float16), ("BF16", np.uint16), ("I64", np.int64),
+    ("I32", np.int32), ("I16", np.int16), ("I8", np.int8), ("U64", np.uint64), ("U32", np.uint32),
+    ("U16", np.uint16), ("U8", np.uint8), ("BOOL", np.bool_))}
+# the tags a converted directory holds: the converter writes no others
+STORED_DTYPES = ("F32", "F16", "BF16", "U32", "U8", "I32")
 
 
 # ---------------------------------------------------------------------------------------------

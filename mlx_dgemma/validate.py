@@ -20,6 +20,7 @@ from typing import Any
 from . import params
 from .errors import ModelFilesError, ParameterError
 from .paths import input_problem
+from .schema import SAFETENSORS_DTYPES
 
 # ---------------------------------------------------------------------------------------------
 # Generation parameters (generation_config.json, GGUF diffusion.eb_* keys, CLI flags, API)
@@ -170,8 +171,6 @@ def check_tokenizer_data(data: Any, source: str, vocab_size: int | None = None) 
 # ---------------------------------------------------------------------------------------------
 # Converted directories
 
-_ST_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "U8": 1, "I32": 4, "U16": 2, "I8": 1, "I16": 2,
-              "F64": 8, "I64": 8, "U64": 8, "BOOL": 1}
 _MAX_ST_HEADER = 100 << 20
 
 # text_config key: (kind, low, high)
@@ -289,7 +288,7 @@ def check_safetensors(path: Path) -> dict[str, dict]:
         if not name.isprintable():
             raise ModelFilesError(f"{path}: tensor name {name!r} has control characters; the file is corrupt, "
                                   "convert the model again")
-        ok = isinstance(e, dict) and e.get("dtype") in _ST_DTYPES and isinstance(e.get("shape"), list) \
+        ok = isinstance(e, dict) and e.get("dtype") in SAFETENSORS_DTYPES and isinstance(e.get("shape"), list) \
             and all(_is_int(d) and 0 <= d < 1 << 40 for d in e["shape"]) and len(e["shape"]) <= 8 \
             and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 \
             and all(_is_int(x) for x in e["data_offsets"])
@@ -300,9 +299,10 @@ def check_safetensors(path: Path) -> dict[str, dict]:
         if not 0 <= a <= b <= data:
             raise ModelFilesError(f"{path}: tensor {name!r} lies at bytes {a}..{b}, outside the data section "
                                   f"({data} bytes); the file is truncated or corrupt, convert again")
-        if b - a != math.prod(e["shape"]) * _ST_DTYPES[e["dtype"]]:
+        need = math.prod(e["shape"]) * SAFETENSORS_DTYPES[e["dtype"]].itemsize
+        if b - a != need:
             raise ModelFilesError(f"{path}: tensor {name!r} has {b - a} bytes but shape {e['shape']} of "
-                                  f"{e['dtype']} needs {math.prod(e['shape']) * _ST_DTYPES[e['dtype']]}; convert again")
+                                  f"{e['dtype']} needs {need}; convert again")
         spans.append((a, b, name))
     spans.sort()
     for (a0, b0, n0), (a1, b1, n1) in zip(spans, spans[1:]):
