@@ -121,6 +121,23 @@ def test_core_imports_neither_tui_nor_convert_beyond_the_known_exceptions():
     assert not bad, "the core reaches into convert/tui (see docs/architecture.md):\n" + "\n".join(bad)
 
 
+def test_gguf_files_are_read_in_convert_only():
+    # GGUF knowledge lives in convert/ (issue 22): the binary pre-scan, the value types, the
+    # metadata rules and the reader. The core (server included) and tui never import gguf-py;
+    # the core opens a .gguf only through convert's exported GGUFSource (KNOWN_CORE_EXCEPTIONS).
+    # The benchmark is tooling: its peers read a GGUF with gguf-py directly.
+    bad = []
+    for path in sorted((ROOT / "mlx_dgemma").rglob("*.py")) + sorted((ROOT / "tui").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("mlx_dgemma/bench/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{rel}:{node.lineno} imports {n}" for n in names if _under(n, "gguf")]
+    assert not bad, "GGUF files are read in convert/ (see docs/architecture.md):\n" + "\n".join(bad)
+
+
 def test_core_never_imports_the_benchmark():
     bad = sorted(f"{f}:{line} imports {m}" for f, m, _, line in _all_imports()
                  if _under(m, "mlx_dgemma.bench") and not f.startswith("mlx_dgemma/bench/")
