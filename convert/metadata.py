@@ -9,10 +9,9 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
 from mlx_dgemma.errors import ModelFilesError, NonFiniteError, ParameterError
-from mlx_dgemma.params import gguf_keys
+from mlx_dgemma.params import check_generation_field, gguf_keys
 from mlx_dgemma.schema import ModelArgs, generation_defaults
-from mlx_dgemma.validate import (KIND_TEXT, TOKEN_ID_KEYS, check_chat_template, check_generation_field, kind_ok,
-                                 short_repr)
+from mlx_dgemma.validate import KIND_TEXT, TOKEN_ID_KEYS, check_chat_template, kind_ok, short_repr
 
 from .errors import ConvertError
 from .scan import value_type_name

@@ -140,8 +140,8 @@ def planned_precision(args: argparse.Namespace) -> str:
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The sampler flags given, checked one by one (range, finiteness) before any loading (and
-    before MLX is imported: the rules live in ``validate``, standard library only)."""
-    from .validate import check_generation_field as check_field
+    before MLX is imported: the rules live in ``params``, standard library only)."""
+    from .params import check_generation_field as check_field
 
     out = {k: getattr(args, k) for k in flags() if getattr(args, k, None) is not None}
     for k, v in out.items():

@@ -2,11 +2,12 @@
 comes from, CLI flag, settings-screen label, server field and GGUF ``diffusion.eb_*`` key.
 
 Everything that names a parameter is generated from :data:`PARAMS`: the range checks
-(``validate.GENERATION_RULES``), the ``generate`` sampler flags and the flag names errors
-quote (``cli.FLAGS``), the server's request fields (``server.schemas.SAMPLER_FIELDS``), the
-settings screen's fields (``tui.screens.settings.FIELDS``) and the GGUF key map the converter
-and the GGUF pre-check read (:data:`GGUF_KEYS`). Standard library only: the CLI builds its
-flags from here before anything heavy is imported.
+(:data:`GENERATION_RULES`, :func:`check_generation_field`, below), the ``generate`` sampler
+flags and the flag names errors quote (``cli.FLAGS``), the server's request fields
+(``server.schemas.SAMPLER_FIELDS``), the settings screen's fields
+(``tui.screens.settings.FIELDS``) and the GGUF key map the converter reads and checks
+(:func:`gguf_keys`, in ``mlx_dgemma.convert.metadata``). Standard library only: the CLI builds
+and checks its flags from here before anything heavy is imported.
 
 The defaults themselves live in :class:`mlx_dgemma.schema.SamplerDefaults` (the reference's
 values, written to generation_config.json); a parameter with ``model_default=False`` is the
@@ -15,7 +16,11 @@ run's own setting, off (None) unless given, and has no default to show.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
+
+from .errors import ParameterError
 
 # Temperatures divide logits softcapped to +-30: below 1e-3 (denormals included) the scaled
 # logits leave float32's range and the step computes NaN; above 1e3 every draw is uniform.
@@ -103,3 +108,46 @@ def server_fields() -> tuple[str, ...]:
 def screen_params() -> list[Param]:
     """The parameters on the settings screen, in its order."""
     return sorted((p for p in PARAMS if p.label), key=lambda p: p.screen_order)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking a value against the rules
+
+
+# the range rules: the registry's parameters, and the token ids the model's
+# generation_config.json carries beside them
+GENERATION_RULES: dict[str, tuple[str, Any, Any, str]] = {  # name: (kind, low, high, rule text)
+    **{p.name: (p.kind.__name__, p.low, p.high, p.rule) for p in PARAMS},
+    "pad_token_id": ("int", 0, 2**31 - 1, "a token id in [0, 2**31 - 1]"),
+    "bos_token_id": ("int", 0, 2**31 - 1, "a token id in [0, 2**31 - 1]"),
+    "mask_token_id": ("int", 0, 2**31 - 1, "a token id in [0, 2**31 - 1]"),
+}
+
+
+def is_int(v: Any) -> bool:
+    """An integer (not a bool): the ``int`` parameters' type, and every count in a model's files."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    """A finite number (not a bool): the ``float`` parameters' type."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_generation_field(name: str, value: Any) -> None:
+    """One generation parameter against its type and range (None allowed for the run's own
+    settings, off by default: ``model_default=False`` in the registry)."""
+    if name == "eos_token_id":
+        ids = value if isinstance(value, (list, tuple)) else [value]
+        if not ids or not all(is_int(i) and 0 <= i < 2**31 for i in ids):
+            raise ParameterError(f"eos_token_id = {value!r}: must be a token id or a list of token ids",
+                                 param=name, rule="a token id or a list of token ids")
+        return
+    param = get(name)
+    rule = (param.kind.__name__, param.low, param.high, param.rule) if param else GENERATION_RULES.get(name)
+    if rule is None or (value is None and param is not None and not param.model_default):
+        return
+    kind, low, high, text = rule
+    ok = (is_int(value) if kind == "int" else is_number(value)) and low <= value <= high
+    if not ok:
+        raise ParameterError(f"{name} = {value!r}: must be {text}", param=name, rule=text)

@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from .errors import ParameterError
 from .schema import SamplerDefaults
-from .validate import check_generation_field as check_field
+from .params import check_generation_field as check_field
 
 
 @dataclass(frozen=True)

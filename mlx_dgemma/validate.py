@@ -1,12 +1,15 @@
-"""Validation at the boundaries, once: generation parameters and a converted directory
-(config.json, safetensors headers, tokenizer, generation config, chat template).
+"""Validation of a converted directory, once: config.json, safetensors headers, shards,
+tokenizer data, generation config and chat template.
 
 Everything here runs before any real work and never allocates from a count found in a file
 before checking it against the file's size. Every error names the file and the key (or
-tensor) and says what was expected. Pure Python: no MLX, so ``convert`` and ``verify`` use it
-as cheaply as ``load`` does. A GGUF itself (its binary layout and metadata) is checked in the
-converter package (``mlx_dgemma.convert.scan``, ``mlx_dgemma.convert.metadata``), which the
-core reaches only through ``GGUFSource``.
+tensor) and says what was expected. Pure Python and NumPy: no MLX, so ``convert`` and
+``verify`` use it as cheaply as ``load`` does.
+
+The generation parameters are checked where they are declared (``mlx_dgemma.params``); a GGUF
+itself (its binary layout and its metadata) in the converter package
+(``mlx_dgemma.convert.scan``, ``mlx_dgemma.convert.metadata``), which reuses the value checks
+below and which the core reaches only through ``GGUFSource``.
 """
 
 from __future__ import annotations
@@ -17,70 +20,13 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from . import params
 from .errors import ModelFilesError, ParameterError
+from .params import check_generation_field, is_int, is_number
 from .paths import input_problem
 from .schema import SAFETENSORS_DTYPES
 
 # ---------------------------------------------------------------------------------------------
-# Generation parameters (generation_config.json, GGUF diffusion.eb_* keys, CLI flags, API)
-
-# the range rules: the registry's parameters (mlx_dgemma.params), and the token ids the model's
-# generation_config.json carries beside them
-GENERATION_RULES: dict[str, tuple[str, Any, Any, str]] = {  # name: (kind, low, high, rule text)
-    **{p.name: (p.kind.__name__, p.low, p.high, p.rule) for p in params.PARAMS},
-    "pad_token_id": ("int", 0, 2**31 - 1, "a token id in [0, 2**31 - 1]"),
-    "bos_token_id": ("int", 0, 2**31 - 1, "a token id in [0, 2**31 - 1]"),
-    "mask_token_id": ("int", 0, 2**31 - 1, "a token id in [0, 2**31 - 1]"),
-}
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def check_generation_field(name: str, value: Any) -> None:
-    """One generation parameter against its type and range (None allowed for the run's own
-    settings, off by default: ``model_default=False`` in the registry)."""
-    if name == "eos_token_id":
-        ids = value if isinstance(value, (list, tuple)) else [value]
-        if not ids or not all(_is_int(i) and 0 <= i < 2**31 for i in ids):
-            raise ParameterError(f"eos_token_id = {value!r}: must be a token id or a list of token ids",
-                                 param=name, rule="a token id or a list of token ids")
-        return
-    param = params.get(name)
-    rule = (param.kind.__name__, param.low, param.high, param.rule) if param else GENERATION_RULES.get(name)
-    if rule is None or (value is None and param is not None and not param.model_default):
-        return
-    kind, low, high, text = rule
-    ok = (_is_int(value) if kind == "int" else _is_num(value)) and low <= value <= high
-    if not ok:
-        raise ParameterError(f"{name} = {value!r}: must be {text}", param=name, rule=text)
-
-
-def check_generation_config(cfg: Any, source: str, vocab_size: int | None = None) -> None:
-    """generation_config.json (or the GGUF's defaults): known keys typed and in range."""
-    if not isinstance(cfg, dict):
-        raise ModelFilesError(f"{source}: expected a JSON object of generation settings, got "
-                              f"{type(cfg).__name__}; convert the model again")
-    for k, v in cfg.items():
-        try:
-            check_generation_field(k, v)
-        except ParameterError as e:
-            raise ModelFilesError(f"{source}: {k} = {short_repr(v)}: must be {e.rule}; fix the file or "
-                                  "convert the model again") from None
-        if vocab_size is not None and k.endswith("token_id"):
-            ids = v if isinstance(v, (list, tuple)) else [v]
-            if any(i >= vocab_size for i in ids):
-                raise ModelFilesError(f"{source}: {k} = {short_repr(v)}: must be below the vocabulary size "
-                                      f"{vocab_size}")
-    t_min, t_max = cfg.get("t_min", 0.4), cfg.get("t_max", 0.8)
-    if not t_max > t_min:
-        raise ModelFilesError(f"{source}: t_min = {t_min}, t_max = {t_max}: the schedule needs t_min < t_max")
+# Values typed and quoted in the errors below (and in convert's GGUF metadata checks)
 
 
 def short_repr(v: Any, n: int = 60) -> str:
@@ -93,15 +39,15 @@ def kind_ok(kind: str, v: Any) -> bool:
     """``v`` is of ``kind``: "int", "float" (finite), "str", "list" or "int|list" (of ints);
     :data:`KIND_TEXT` says each in an error. Booleans are not numbers here."""
     if kind == "int":
-        return _is_int(v)
+        return is_int(v)
     if kind == "float":
-        return _is_num(v)
+        return is_number(v)
     if kind == "str":
         return isinstance(v, str)
     if kind == "list":
         return isinstance(v, list)
     if kind == "int|list":
-        return _is_int(v) or (isinstance(v, list) and all(_is_int(x) for x in v))
+        return is_int(v) or (isinstance(v, list) and all(is_int(x) for x in v))
     return False
 
 
@@ -133,6 +79,7 @@ def check_chat_template(text: str, source: str) -> None:
 # the special tokens' ids, each checked against the vocabulary
 TOKEN_ID_KEYS = tuple(f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "unknown", "padding", "mask"))
 
+
 def check_tokenizer_data(data: Any, source: str, vocab_size: int | None = None) -> None:
     """tokenizer_gguf.json: types, ids in range, merges well formed (before the backend sees it)."""
     def bad(key: str, rule: str) -> None:
@@ -150,10 +97,10 @@ def check_tokenizer_data(data: Any, source: str, vocab_size: int | None = None) 
     if kind not in ("gemma4", "llama"):
         bad("tokenizer.ggml.model", "'gemma4' or 'llama'")
     types = data.get("tokenizer.ggml.token_type")
-    if types is not None and (not isinstance(types, list) or len(types) != n or not all(_is_int(t) for t in types)):
+    if types is not None and (not isinstance(types, list) or len(types) != n or not all(is_int(t) for t in types)):
         bad("tokenizer.ggml.token_type", f"a list of {n} integers")
     for key in TOKEN_ID_KEYS:
-        if key in data and not (_is_int(data[key]) and 0 <= data[key] < n):
+        if key in data and not (is_int(data[key]) and 0 <= data[key] < n):
             bad(key, f"a token id in [0, {n})")
     merges = data.get("tokenizer.ggml.merges", [])
     if kind == "gemma4":
@@ -187,6 +134,27 @@ _TEXT_CONFIG = {
 _BITS = {2, 3, 4, 5, 6, 8}
 
 
+def check_generation_config(cfg: Any, source: str, vocab_size: int | None = None) -> None:
+    """generation_config.json (or the GGUF's defaults): known keys typed and in range."""
+    if not isinstance(cfg, dict):
+        raise ModelFilesError(f"{source}: expected a JSON object of generation settings, got "
+                              f"{type(cfg).__name__}; convert the model again")
+    for k, v in cfg.items():
+        try:
+            check_generation_field(k, v)
+        except ParameterError as e:
+            raise ModelFilesError(f"{source}: {k} = {short_repr(v)}: must be {e.rule}; fix the file or "
+                                  "convert the model again") from None
+        if vocab_size is not None and k.endswith("token_id"):
+            ids = v if isinstance(v, (list, tuple)) else [v]
+            if any(i >= vocab_size for i in ids):
+                raise ModelFilesError(f"{source}: {k} = {short_repr(v)}: must be below the vocabulary size "
+                                      f"{vocab_size}")
+    t_min, t_max = cfg.get("t_min", 0.4), cfg.get("t_max", 0.8)
+    if not t_max > t_min:
+        raise ModelFilesError(f"{source}: t_min = {t_min}, t_max = {t_max}: the schedule needs t_min < t_max")
+
+
 def read_json(path: Path, what: str = "a JSON object") -> Any:
     """Parse a JSON file; errors name the file and the position."""
     try:
@@ -212,7 +180,7 @@ def check_config(config: Any, source: str) -> None:
         raise ModelFilesError(f"{source}: model_type is {config.get('model_type')!r}, expected 'diffusion_gemma'")
     for key, low, high in (("canvas_length", 1, 1 << 16), ("mask_token_id", 0, 1 << 22)):
         v = config.get(key)
-        if v is not None and not (_is_int(v) and low <= v <= high):
+        if v is not None and not (is_int(v) and low <= v <= high):
             bad(key, f"an integer in [{low}, {high}]", v)
     tc = config.get("text_config")
     if not isinstance(tc, dict):
@@ -233,14 +201,15 @@ def check_config(config: Any, source: str) -> None:
     if tc["top_k_experts"] > tc["num_experts"]:
         bad("text_config.top_k_experts", f"at most num_experts = {tc['num_experts']}", tc["top_k_experts"])
     sc = tc.get("final_logit_softcapping")
-    if sc is not None and not (_is_num(sc) and sc > 0):
+    if sc is not None and not (is_number(sc) and sc > 0):
         bad("text_config.final_logit_softcapping", "a number > 0 or null", sc)
     rp = tc.get("rope_parameters")
     if not isinstance(rp, dict) or set(rp) != {"sliding_attention", "full_attention"} or \
-            not all(isinstance(x, dict) and _is_num(x.get("rope_theta")) and x["rope_theta"] > 0 for x in rp.values()):
+            not all(isinstance(x, dict) and is_number(x.get("rope_theta")) and x["rope_theta"] > 0
+                    for x in rp.values()):
         bad("text_config.rope_parameters", "{sliding_attention, full_attention} each with rope_theta > 0", rp)
     prf = rp["full_attention"].get("partial_rotary_factor", 1.0)
-    if not (_is_num(prf) and 0 < prf <= 1):
+    if not (is_number(prf) and 0 < prf <= 1):
         bad("text_config.rope_parameters.full_attention.partial_rotary_factor", "a number in (0, 1]", prf)
     canvas, ctx = config.get("canvas_length", 256), tc["max_position_embeddings"]
     if canvas >= ctx:  # a block needs the canvas and at least one prompt token in the context
@@ -254,10 +223,10 @@ def check_config(config: Any, source: str) -> None:
         bad("quantization", "an object", q)
     for k, v in q.items():
         if k in ("group_size", "bits"):
-            if not (_is_int(v) and (v in _BITS if k == "bits" else v in (32, 64, 128))):
+            if not (is_int(v) and (v in _BITS if k == "bits" else v in (32, 64, 128))):
                 bad(f"quantization.{k}", "bits in {2,3,4,5,6,8}" if k == "bits" else "32, 64 or 128", v)
         elif isinstance(v, dict):
-            if not (_is_int(v.get("bits")) and v["bits"] in _BITS and v.get("group_size", 32) in (32, 64, 128)
+            if not (is_int(v.get("bits")) and v["bits"] in _BITS and v.get("group_size", 32) in (32, 64, 128)
                     and v.get("subblock", 32) in (16, 32)):
                 bad(f"quantization[{k!r}]", "bits in {2,3,4,5,6,8}, group_size 32/64/128, subblock 16/32", v)
 
@@ -289,9 +258,9 @@ def check_safetensors(path: Path) -> dict[str, dict]:
             raise ModelFilesError(f"{path}: tensor name {name!r} has control characters; the file is corrupt, "
                                   "convert the model again")
         ok = isinstance(e, dict) and e.get("dtype") in SAFETENSORS_DTYPES and isinstance(e.get("shape"), list) \
-            and all(_is_int(d) and 0 <= d < 1 << 40 for d in e["shape"]) and len(e["shape"]) <= 8 \
+            and all(is_int(d) and 0 <= d < 1 << 40 for d in e["shape"]) and len(e["shape"]) <= 8 \
             and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 \
-            and all(_is_int(x) for x in e["data_offsets"])
+            and all(is_int(x) for x in e["data_offsets"])
         if not ok:
             raise ModelFilesError(f"{path}: tensor {name!r} has a malformed header entry {short_repr(e)}; convert "
                                   "the model again")

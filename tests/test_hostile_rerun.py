@@ -17,7 +17,7 @@ from mlx_dgemma.chat_template import PROMPT_CHARS, RENDER_CHARS, render_chat
 from mlx_dgemma.cli import main
 from mlx_dgemma.convert.synthetic import TinySpec, write_tiny_gguf
 from mlx_dgemma.errors import ParameterError
-from mlx_dgemma.validate import GENERATION_RULES, check_generation_field
+from mlx_dgemma.params import GENERATION_RULES, check_generation_field
 from tests.hostile_util import promise
 from tests.test_hostile_gguf import poisoned_gguf
 
