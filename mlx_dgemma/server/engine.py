@@ -304,7 +304,7 @@ class Engine:
         if req.temperature is not None and req.temperature != 1:
             base = SamplerParams.from_config(self.generation_config, **over)
             f = max(req.temperature, MIN_TEMPERATURE_FACTOR)
-            # the core accepts temperatures from 0.001 (validate.py): near-greedy, not below it
+            # the core accepts temperatures from 0.001 (params.py): near-greedy, not below it
             over["t_min"] = max(base.t_min * f, 0.001)
             over["t_max"] = max(base.t_max * f, 2 * over["t_min"])
         try:
