@@ -117,7 +117,7 @@ def check_gguf_metadata(md: dict[str, Any], kinds: dict[str, tuple[str, str | No
             bad(_P + "attention.head_count_kv", f"divisors of attention.head_count = {heads}")
     if md[_P + "expert_used_count"] > md[_P + "expert_count"]:
         bad(_P + "expert_used_count", f"at most expert_count = {md[_P + 'expert_count']}")
-    ctx, canvas = md[_P + "context_length"], md.get("diffusion.canvas_length", 256)
+    ctx, canvas = md[_P + "context_length"], md.get("diffusion.canvas_length", ModelArgs.canvas_length)
     if canvas >= ctx:  # a block needs the canvas and at least one prompt token in the context
         shown = "" if "diffusion.canvas_length" in md else " (absent: the default)"
         raise ModelFilesError(f"{source}: diffusion.canvas_length = {canvas}{shown}: expected at most {ctx - 1}, "
@@ -218,13 +218,13 @@ def args_from_metadata(md: dict[str, Any], vocab_size: int, source: str = "GGUF"
         num_experts=int(get("expert_count")),
         top_k_experts=int(get("expert_used_count")),
         moe_intermediate_size=int(get("expert_feed_forward_length")),
-        final_logit_softcapping=float(get("final_logit_softcapping", 30.0)),
+        final_logit_softcapping=float(get("final_logit_softcapping", ModelArgs.final_logit_softcapping)),
         max_position_embeddings=int(get("context_length")),
         pad_token_id=int(md.get("tokenizer.ggml.padding_token_id", 0)),
-        bos_token_id=int(md.get("tokenizer.ggml.bos_token_id", 2)),
+        bos_token_id=int(md.get("tokenizer.ggml.bos_token_id", ModelArgs.bos_token_id)),
         eos_token_id=int(md.get("tokenizer.ggml.eos_token_id", 1)),
-        canvas_length=int(md.get("diffusion.canvas_length", 256)),
-        mask_token_id=int(md.get("tokenizer.ggml.mask_token_id", 4)),
+        canvas_length=int(md.get("diffusion.canvas_length", ModelArgs.canvas_length)),
+        mask_token_id=int(md.get("tokenizer.ggml.mask_token_id", ModelArgs.mask_token_id)),
     )
 
 
@@ -261,6 +261,6 @@ def generation_config(md: dict[str, Any]) -> dict[str, Any]:
     for key, param in gguf_keys().items():  # the GGUF keys overriding them (mlx_dgemma.params)
         if key in md:
             cfg[param.name] = _shortest(md[key]) if param.kind is float else param.kind(md[key])
-    cfg["bos_token_id"] = int(md.get("tokenizer.ggml.bos_token_id", 2))
-    cfg["mask_token_id"] = int(md.get("tokenizer.ggml.mask_token_id", 4))
+    cfg["bos_token_id"] = int(md.get("tokenizer.ggml.bos_token_id", ModelArgs.bos_token_id))
+    cfg["mask_token_id"] = int(md.get("tokenizer.ggml.mask_token_id", ModelArgs.mask_token_id))
     return cfg

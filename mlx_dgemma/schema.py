@@ -66,8 +66,8 @@ class ModelArgs:
         tc = dict(config.get("text_config", config))
         names = {f.name for f in fields(cls)} - {"extra"}
         args = {k: tc[k] for k in names if k in tc}
-        args["canvas_length"] = int(config.get("canvas_length", 256))
-        args["mask_token_id"] = int(config.get("mask_token_id", 4))
+        args["canvas_length"] = int(config.get("canvas_length", cls.canvas_length))
+        args["mask_token_id"] = int(config.get("mask_token_id", cls.mask_token_id))
         return cls(**args, extra={k: v for k, v in tc.items() if k not in names})
 
     def to_dict(self) -> dict[str, Any]:

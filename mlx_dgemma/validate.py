@@ -23,7 +23,7 @@ from typing import Any
 from .errors import ModelFilesError, ParameterError
 from .params import check_generation_field, is_int, is_number
 from .paths import input_problem
-from .schema import SAFETENSORS_DTYPES
+from .schema import SAFETENSORS_DTYPES, ModelArgs, SamplerDefaults
 
 # ---------------------------------------------------------------------------------------------
 # Values typed and quoted in the errors below (and in convert's GGUF metadata checks)
@@ -150,7 +150,7 @@ def check_generation_config(cfg: Any, source: str, vocab_size: int | None = None
             if any(i >= vocab_size for i in ids):
                 raise ModelFilesError(f"{source}: {k} = {short_repr(v)}: must be below the vocabulary size "
                                       f"{vocab_size}")
-    t_min, t_max = cfg.get("t_min", 0.4), cfg.get("t_max", 0.8)
+    t_min, t_max = cfg.get("t_min", SamplerDefaults.t_min), cfg.get("t_max", SamplerDefaults.t_max)
     if not t_max > t_min:
         raise ModelFilesError(f"{source}: t_min = {t_min}, t_max = {t_max}: the schedule needs t_min < t_max")
 
@@ -211,11 +211,11 @@ def check_config(config: Any, source: str) -> None:
     prf = rp["full_attention"].get("partial_rotary_factor", 1.0)
     if not (is_number(prf) and 0 < prf <= 1):
         bad("text_config.rope_parameters.full_attention.partial_rotary_factor", "a number in (0, 1]", prf)
-    canvas, ctx = config.get("canvas_length", 256), tc["max_position_embeddings"]
+    canvas, ctx = config.get("canvas_length", ModelArgs.canvas_length), tc["max_position_embeddings"]
     if canvas >= ctx:  # a block needs the canvas and at least one prompt token in the context
         bad("canvas_length", f"at most {ctx - 1}, below text_config.max_position_embeddings = {ctx} (a canvas and "
             "its prompt must fit in the context)", canvas)
-    mt = config.get("mask_token_id", 4)
+    mt = config.get("mask_token_id", ModelArgs.mask_token_id)
     if mt >= tc["vocab_size"]:
         bad("mask_token_id", f"a token id below vocab_size = {tc['vocab_size']}", mt)
     q = config.get("quantization", {})
