@@ -11,7 +11,8 @@ from gguf import GGUFReader, GGUFValueType
 from mlx_dgemma.errors import ModelFilesError, NonFiniteError, ParameterError
 from mlx_dgemma.params import check_generation_field, gguf_keys
 from mlx_dgemma.schema import ModelArgs, generation_defaults
-from mlx_dgemma.validate import KIND_TEXT, TOKEN_ID_KEYS, check_chat_template, kind_ok, short_repr
+from mlx_dgemma.validate import (KIND_TEXT, TOKEN_ID_KEYS, TOKENIZER_MODELS, check_chat_template, kind_ok,
+                                 short_repr)
 
 from .errors import ConvertError
 from .scan import value_type_name
@@ -56,7 +57,6 @@ def field_kinds(reader: GGUFReader) -> dict[str, tuple[str, str | None, int]]:
 # ---------------------------------------------------------------------------------------------
 # What a DiffusionGemma GGUF's metadata must hold, checked before anything is built from it
 
-
 _P = ARCH + "."
 # key: (kind, low, high, required); kinds: int, float, bool, str, int|list
 _GGUF_KEYS: dict[str, tuple[str, float, float, bool]] = {
@@ -83,9 +83,10 @@ _GGUF_KEYS: dict[str, tuple[str, float, float, bool]] = {
     "tokenizer.chat_template": ("str", 0, 0, False),
 }
 
+
 def check_gguf_metadata(md: dict[str, Any], kinds: dict[str, tuple[str, str | None, int]], source: str) -> int:
     """Types, ranges and cross-field consistency of a DiffusionGemma GGUF's metadata. ``kinds``
-    (from :func:`scan_gguf`) covers the long tokenizer arrays that ``md`` only summarizes.
+    (:func:`field_kinds`) covers the long tokenizer arrays that ``md`` only summarizes.
     Returns the vocabulary size."""
     def bad(key: str, rule: str) -> None:
         raise ModelFilesError(f"{source}: {key} = {short_repr(md.get(key))}: expected {rule}; the file is not a "
@@ -148,8 +149,8 @@ def check_gguf_metadata(md: dict[str, Any], kinds: dict[str, tuple[str, str | No
         if k is not None and (k[0] != "array" or k[1] != "string"):
             raise ModelFilesError(f"{source}: tokenizer.ggml.merges: expected an array of strings 'a b'")
         model = md.get("tokenizer.ggml.model", "gemma4")
-        if model not in ("gemma4", "llama"):
-            bad("tokenizer.ggml.model", "'gemma4' or 'llama'")
+        if model not in TOKENIZER_MODELS:
+            bad("tokenizer.ggml.model", " or ".join(map(repr, TOKENIZER_MODELS)))
         for key in TOKEN_ID_KEYS:
             if key in md and not (kind_ok("int", md[key]) and 0 <= md[key] < vocab):
                 bad(key, f"a token id in [0, {vocab})")

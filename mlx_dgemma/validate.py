@@ -76,6 +76,8 @@ def check_chat_template(text: str, source: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Tokenizer data (tokenizer_gguf.json, or the GGUF's tokenizer.* keys as plain Python)
 
+# the tokenizer kinds the backend builds (tokenizer.ggml.model)
+TOKENIZER_MODELS = ("gemma4", "llama")
 # the special tokens' ids, each checked against the vocabulary
 TOKEN_ID_KEYS = tuple(f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "unknown", "padding", "mask"))
 
@@ -94,8 +96,8 @@ def check_tokenizer_data(data: Any, source: str, vocab_size: int | None = None) 
     if vocab_size is not None and n != vocab_size:
         bad("tokenizer.ggml.tokens", f"{vocab_size} tokens (the model's vocabulary), found {n}")
     kind = data.get("tokenizer.ggml.model")
-    if kind not in ("gemma4", "llama"):
-        bad("tokenizer.ggml.model", "'gemma4' or 'llama'")
+    if kind not in TOKENIZER_MODELS:
+        bad("tokenizer.ggml.model", " or ".join(map(repr, TOKENIZER_MODELS)))
     types = data.get("tokenizer.ggml.token_type")
     if types is not None and (not isinstance(types, list) or len(types) != n or not all(is_int(t) for t in types)):
         bad("tokenizer.ggml.token_type", f"a list of {n} integers")

@@ -62,6 +62,7 @@ def test_array_claiming_2_62_items_is_refused_at_once(work):
     (P + "expert_used_count", 9, "at most expert_count"),
     (P + "attention.head_count_kv", [1, 1], "3 integers"),
     ("tokenizer.ggml.unknown_token_id", 100000, "unknown_token_id"),
+    ("tokenizer.ggml.model", "bpe", "expected 'gemma4' or 'llama'"),
     ("tokenizer.chat_template", "{% for x in %}", "does not compile"),
 ])
 def test_bad_metadata_value(work, capsys, key, value, expect):
@@ -242,6 +243,8 @@ def _tamper(d: Path, what: str) -> str:
                 tok["tokenizer.ggml.tokens"] = 5
             if kind == "unk":
                 tok["tokenizer.ggml.unknown_token_id"] = 10**6
+            if kind == "model":
+                tok["tokenizer.ggml.model"] = "bpe"
 
         return _spoil_json(d / "tokenizer_gguf.json", "\x00\x01" if kind == "invalid" else None, bad_tokens)
     if what.startswith("gen:"):
@@ -257,7 +260,7 @@ def _tamper(d: Path, what: str) -> str:
 TAMPERS = ["config:invalid", "config:array", "config:missing", "config:mistyped", "config:huge_layers",
            "config:group_size", "config:layer_types", "config:top_k", "st:truncated", "st:offsets",
            "st:header", "st:dtype", "st:huge_header", "foreign_shard", "index", "tok:invalid", "tok:mistyped",
-           "tok:unk", "gen:invalid", "gen:mistyped", "template"]
+           "tok:unk", "tok:model", "gen:invalid", "gen:mistyped", "template"]
 
 
 @pytest.mark.parametrize("what", TAMPERS)
