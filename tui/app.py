@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from textual.binding import Binding
 
 from mlx_dgemma.paths import user_path
 
-from .engine import Backend, Engine, Job, ModelBackend
+from .engine import Backend, Engine, ModelBackend
 
 LOAD_FAILED_EXIT = 2  # the exit status when the user quits while no model could be loaded
 # How long Ctrl+Q waits for the engine to finish its current step (or tensor of a load) and
@@ -36,7 +35,7 @@ class DGemmaApp(App):
         self.trace_dir = Path(trace_dir)
         self.last_export: Path | None = None
         self.load_error: str | None = None  # set while the model could not be loaded
-        self.engine_threads: list[threading.Thread] = []  # every engine thread started (a failed load leaves one)
+        self.engines: list[Engine] = []  # every engine started (a failed load leaves one, maybe still stopping)
         self.stopping = False  # Ctrl+Q pressed: waiting for the engine to stop
 
     def on_mount(self) -> None:
@@ -77,19 +76,14 @@ class DGemmaApp(App):
         # post_message is thread-safe and does not block the engine on the UI
         self.engine = Engine(self.backend, self.chat_screen.post_message)
         self.push_screen(self.chat_screen)
-        self._engine_worker(self.engine)
-        self.engine.submit(Job("load"))
-
-    def _engine_worker(self, engine: Engine) -> None:
-        """The one thread that runs MLX for the whole session (see engine.py). A daemon thread,
-        not a Textual thread worker: those run in asyncio's default executor, which the app's
-        exit joins, so a stuck load or template render would keep Ctrl+Q from quitting."""
-        thread = threading.Thread(target=engine.run, name="mlx-dgemma-engine", daemon=True)
-        self.engine_threads.append(thread)
-        thread.start()
+        # The core's ModelWorker runs MLX for the whole session on its own daemon thread, not
+        # a Textual thread worker: those run in asyncio's default executor, which the app's
+        # exit joins, so a stuck load or template render would keep Ctrl+Q from quitting.
+        self.engines.append(self.engine)
+        self.engine.start()
 
     def engine_running(self) -> bool:
-        return any(t.is_alive() for t in self.engine_threads)
+        return any(e.running for e in self.engines)
 
     def stop_engine(self) -> None:
         if self.engine is not None:
@@ -98,8 +92,8 @@ class DGemmaApp(App):
     def join_engine(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for every engine thread to end; whether they all did."""
         end = time.monotonic() + timeout
-        for t in self.engine_threads:
-            t.join(max(0.0, end - time.monotonic()))
+        for e in self.engines:
+            e.join(max(0.0, end - time.monotonic()))
         return not self.engine_running()
 
     async def action_quit(self) -> None:

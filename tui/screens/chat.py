@@ -16,7 +16,7 @@ from textual.widgets import Footer, Input
 from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
 from mlx_dgemma.trace import Trace, trace_header
 
-from ..engine import Backend, Job
+from ..engine import Backend
 from ..messages import EngineError, EngineEvent, EngineStatus
 from ..widgets.banner import DemoBanner
 from ..widgets.canvas import CanvasTitle, CanvasView
@@ -204,7 +204,7 @@ class ChatScreen(Screen):
             "max_new_tokens", 256))
         self._blocks_planned = -(-max_new // canvas)
         self.busy = True
-        self.app.engine.submit(Job("generate", text, {**self.params, "think": self.think}, self.answer_id))
+        self.app.engine.generate(text, {**self.params, "think": self.think}, self.answer_id)
 
     def _forget_answer(self, trace: Trace) -> None:
         """The one place that drops the last answer's steps, figures and canvas (a new answer,
@@ -237,7 +237,7 @@ class ChatScreen(Screen):
         if self.busy:
             self.app.engine.cancel()
         self.answer_id += 1
-        self.app.engine.submit(Job("reset", params={"system": self.system}))
+        self.app.engine.reset(self.system)
         self.turn = 0
         self.answer = None
         self._forget_answer(Trace())
