@@ -10,6 +10,7 @@ from pathlib import Path
 
 from textual.app import App
 from textual.binding import Binding
+from textual.reactive import reactive
 
 from mlx_dgemma.paths import user_path
 
@@ -28,6 +29,10 @@ class DGemmaApp(App):
     BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
     NOTIFICATION_TIMEOUT = 3  # seconds (Textual's 5 left toasts over the chart long after they were read)
 
+    # Ctrl+Q pressed: the engine is asked to stop and the app waits for it; the chat screen's
+    # status line says so (watch_stopping) and takes no more engine messages.
+    stopping: reactive[bool] = reactive(False, init=False)
+
     def __init__(self, backend: Backend | None = None, trace_dir: str | Path = ".", **kw):
         super().__init__(**kw)
         self.backend = backend
@@ -36,7 +41,6 @@ class DGemmaApp(App):
         self.last_export: Path | None = None
         self.load_error: str | None = None  # set while the model could not be loaded
         self.engines: list[Engine] = []  # every engine started (a failed load leaves one, maybe still stopping)
-        self.stopping = False  # Ctrl+Q pressed: waiting for the engine to stop
 
     def on_mount(self) -> None:
         if self.backend is None:
@@ -104,16 +108,17 @@ class DGemmaApp(App):
         self.stopping = True
         self.stop_engine()
         if self.engine_running():
-            self._show_stopping()
             end = time.monotonic() + QUIT_WAIT_S
             while self.engine_running() and time.monotonic() < end:
                 await asyncio.sleep(0.02)
         self.exit(return_code=LOAD_FAILED_EXIT if self.load_error is not None else 0)
 
-    def _show_stopping(self) -> None:
+    def watch_stopping(self, stopping: bool) -> None:
         from .screens.chat import ChatScreen
         from .widgets.status import StatusLine
 
+        if not stopping:
+            return
         for screen in self.screen_stack:
             if isinstance(screen, ChatScreen):
                 screen.query_one(StatusLine).update("stopping… (finishing the current step)")
