@@ -7,11 +7,13 @@ worker thread, each with its own cancel flag that the work polls (``stream_gener
 ``cancel``). Waiting jobs sit in a bounded FIFO; a job cancelled while waiting never runs
 and stops counting against the bound at once (a client that left frees its place).
 
-The server (``mlx_dgemma.server``) runs every request through one; the chat app's engine
-(``tui/engine.py``) does the same job with its own loop today and can adopt this class:
-its load, generate and reset jobs map onto :meth:`ModelWorker.start` and :meth:`submit`,
-its Escape onto :meth:`Ticket.cancel`, its quit onto :meth:`stop` (which joins the thread,
-so the interpreter never exits while MLX runs on a daemon thread). No asyncio, no
+Both front ends use it. The server (``mlx_dgemma.server``) runs every request through one
+and waits for the load (:meth:`ModelWorker.start`). The chat app (``tui/engine.py``) must
+not block its UI on the load: it uses :meth:`ModelWorker.launch`, its load job reports
+progress (and stops at :attr:`ModelWorker.stopping`, between tensors); its answers and new
+chats are :meth:`submit`-ted jobs, its Escape is :meth:`Ticket.cancel`, and its quit is
+:meth:`stop` without waiting, then :meth:`join` while the UI keeps drawing (the interpreter
+must never exit while MLX runs on the thread: that aborted the process). No asyncio, no
 Textual: the worker reports through the callables it is given.
 """
 
@@ -67,7 +69,9 @@ class Ticket:
 class ModelWorker(Generic[R]):
     """The thread that owns a model (or any MLX state), and its bounded FIFO of jobs.
 
-    ``load`` runs first, on the worker thread; what it returns is :attr:`runtime`.
+    ``load`` runs first, on the worker thread; what it returns is :attr:`runtime`. Jobs may be
+    submitted while it runs; they wait for it, and if it fails they never run (their
+    ``skipped`` runs instead) and the thread ends.
     ``max_waiting`` bounds the jobs that may wait behind the running one (None: unbounded).
     ``finish`` runs last on the worker thread once it stops after a successful load (a
     sharded model's runtime tells the other ranks to exit there: see ``mlx_dgemma.lockstep``).
@@ -89,9 +93,14 @@ class ModelWorker(Generic[R]):
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     # lifecycle ------------------------------------------------------------
+    def launch(self) -> None:
+        """Start the thread and return at once: ``load`` runs on it, and reports its own
+        progress and failure (a front end whose UI must not wait for the load)."""
+        self._thread.start()
+
     def start(self) -> R:
         """Start the thread, run ``load`` on it and wait; its exception is raised here."""
-        self._thread.start()
+        self.launch()
         self._ready.wait()
         if self._load_error is not None:
             raise self._load_error
@@ -107,7 +116,10 @@ class ModelWorker(Generic[R]):
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Cancel the running and waiting jobs, let the thread end and wait for it (bounded).
-        Returns whether it ended (a job stuck inside one MLX call may outlast ``timeout``)."""
+        Returns whether it ended (a job stuck inside one MLX call may outlast ``timeout``).
+        ``timeout=0`` only asks: a caller that must keep serving (a UI) then polls
+        :attr:`running` or calls :meth:`join`. A load still running stops where it checks
+        :attr:`stopping`."""
         with self._cv:
             self._stopping = True
             for t in self._waiting:
@@ -115,13 +127,30 @@ class ModelWorker(Generic[R]):
             if self.current is not None:
                 self.current.cancel()
             self._cv.notify_all()
+        return self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to end; whether it has (or never began)."""
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
     @property
     def started(self) -> bool:
+        """The load has returned (or failed)."""
         return self._ready.is_set()
+
+    @property
+    def stopping(self) -> bool:
+        """:meth:`stop` was called: a load polls this between its pieces and gives up
+        (raising :class:`WorkerStopped`), as jobs poll their ticket's ``cancelled``."""
+        return self._stopping
+
+    @property
+    def running(self) -> bool:
+        """The thread is alive: loading, serving, or finishing its current job after :meth:`stop`
+        (:attr:`alive` says whether it takes jobs)."""
+        return self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
@@ -167,14 +196,23 @@ class ModelWorker(Generic[R]):
                 self._cv.wait()
             if self._stopping and not self._waiting:
                 return None
-            return self._waiting.popleft()
+            ticket = self._waiting.popleft()
+            if not ticket.cancelled:  # current under the lock: a stop() from now on cancels it
+                self.current = ticket
+            return ticket
 
     def _main(self) -> None:
         try:
             self.runtime = self._load()
         except BaseException as e:  # noqa: BLE001 - handed to the thread that called start()
-            self._load_error = e
+            with self._cv:  # under the lock: no job slips in after the drain (alive is False now)
+                self._load_error = e
+                left = list(self._waiting)
+                self._waiting.clear()
             self._ready.set()
+            for ticket in left:  # submitted while loading: they never run
+                ticket.cancel()
+                self._skip(ticket)
             return
         self._ready.set()
         try:
@@ -191,13 +229,11 @@ class ModelWorker(Generic[R]):
             ticket = self._next()
             if ticket is None:
                 return
+            if ticket.cancelled and self.current is not ticket:  # cancelled while it waited
+                self._skip(ticket)
+                continue
             try:
-                if ticket.cancelled:
-                    if ticket.skipped is not None:
-                        ticket.skipped(ticket)
-                    continue
                 ticket.started = time.perf_counter()
-                self.current = ticket
                 try:
                     ticket.run(ticket)
                 finally:
@@ -207,3 +243,13 @@ class ModelWorker(Generic[R]):
             finally:
                 self.current = None
                 ticket.done.set()
+
+    def _skip(self, ticket: Ticket) -> None:
+        """A job cancelled before it started: its ``skipped`` runs instead, then it is done."""
+        try:
+            if ticket.skipped is not None:
+                ticket.skipped(ticket)
+        except Exception:  # noqa: BLE001 - one failing callback must not stop the worker
+            log.exception("skipped callback failed")
+        finally:
+            ticket.done.set()

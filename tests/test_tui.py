@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mlx_dgemma.tui.app import DGemmaApp
-from mlx_dgemma.tui.engine import Backend, Engine, Job, ModelBackend
+from mlx_dgemma.tui.engine import Backend, Engine, ModelBackend
 from mlx_dgemma.tui.messages import STATES, EngineStatus
 from mlx_dgemma.tui.screens.chat import ChatScreen
 from mlx_dgemma.tui.screens.settings import SettingsScreen
@@ -489,13 +489,14 @@ def test_the_engine_posts_every_state_and_only_those():
     posted: list[str] = []
     record = lambda m: posted.append(m.state) if isinstance(m, EngineStatus) else None  # noqa: E731
     engine = Engine(ScriptedBackend(steps=1, blocks=1), record)
-    for job in (Job("load"), Job("generate", "q"), Job("stop")):
-        engine.submit(job)
-    engine.run()
+    engine.start()
+    engine.generate("q", {}, 1)
+    assert engine.worker.submit(lambda t: None).done.wait(10)  # after the answer, in order
+    engine.stop()
+    assert engine.join(10)
     engine = Engine(FailingLoad(), record)
-    for job in (Job("load"), Job("stop")):
-        engine.submit(job)
-    engine.run()
+    engine.start()
+    assert engine.join(10)  # a failed load ends the worker
     assert posted == ["loading", "loading", "ready", "busy", "ready", "loading", "failed"]
     assert set(posted) == set(STATES)
 
@@ -826,3 +827,57 @@ async def test_ctrl_q_quits_from_the_settings_dialog():
         await pilot.press("ctrl+q")
         await pilot.pause()
     assert app.return_code == 0
+
+
+async def test_escape_on_a_message_sent_during_the_load_cancels_it_before_it_starts():
+    import threading
+
+    class SlowLoad(ScriptedBackend):
+        def __init__(self):
+            super().__init__(steps=2, blocks=1)
+            self.release = threading.Event()
+
+        def load(self, progress):
+            self.release.wait(30)
+            super().load(progress)
+
+    backend = SlowLoad()
+    app = DGemmaApp(backend)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+            await send(pilot, "hello?")  # typed while "loading: …": it waits for the model
+            assert screen(app).busy
+            await pilot.press("escape")
+            backend.release.set()
+            await wait_for(pilot, lambda: done(app))  # the screen heard the end: not "answering" forever
+            assert backend.prompts == []  # it never ran (no prefill spent on it)
+            await pilot.pause(0.1)
+            assert status_row(app).lstrip().startswith("cancelled before it started"), status_row(app)
+            await send(pilot, "again")  # the worker serves the next message
+            await wait_for(pilot, lambda: done(app) and len(backend.prompts) == 1)
+    finally:
+        backend.release.set()
+
+
+async def test_ctrl_q_during_the_load_stops_it_between_pieces():
+    import time
+
+    class PiecewiseLoad(ScriptedBackend):
+        pieces = 0
+
+        def load(self, progress):
+            for i in range(1, 501):  # 10 s in all: Ctrl+Q must not wait for the rest
+                progress(f"loading {i}/500 blk.{i}.weight")
+                self.pieces = i
+                time.sleep(0.02)
+            self.loaded += 1
+
+    backend = PiecewiseLoad()
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: backend.pieces >= 3)
+        await pilot.press("ctrl+q")
+        await wait_for(pilot, lambda: not app.is_running, timeout=5)
+    assert not app.engine_running() and backend.pieces < 500 and not backend.loaded
+    assert app.return_code == 0 and app.load_error is None  # a stop, not a failed load

@@ -94,3 +94,75 @@ def test_finish_runs_last_on_the_worker_thread_and_not_after_a_failed_load():
         w.start()
     w.stop()
     assert seen == ["job", "w"]
+
+
+def test_launch_returns_at_once_and_jobs_wait_for_the_load():
+    # the chat app's way: its UI must not wait for the load; a message sent meanwhile waits
+    gate, order = threading.Event(), []
+    w = ModelWorker(lambda: (gate.wait(10), order.append("load"))[1])
+    w.launch()
+    assert not w.started and w.alive and w.running
+    job = w.submit(lambda t: order.append("job"))
+    assert not job.done.wait(0.2)
+    gate.set()
+    assert job.done.wait(10) and order == ["load", "job"]
+    assert w.stop() and not w.running
+
+
+def test_after_a_failed_load_the_waiting_jobs_are_skipped_and_the_thread_ends():
+    gate, ran, skipped = threading.Event(), [], []
+
+    def fail():
+        gate.wait(10)
+        raise ValueError("no model")
+
+    w = ModelWorker(fail)
+    w.launch()
+    job = w.submit(lambda t: ran.append("job"), skipped=lambda t: skipped.append(t.cancelled))
+    gate.set()
+    assert job.done.wait(10) and ran == [] and skipped == [True]
+    assert w.join(10) and not w.alive
+    with pytest.raises(WorkerStopped):
+        w.submit(lambda t: None)
+
+
+def test_a_load_stops_where_it_checks_stopping_and_stop_0_does_not_wait():
+    # Ctrl+Q during the chat app's load: stop() only asks; the load gives up between tensors
+    began, release, pieces = threading.Event(), threading.Event(), []
+
+    def load():
+        for i in range(1000):
+            began.set()
+            release.wait(10)  # one tensor; the check comes between tensors
+            if w.stopping:
+                raise WorkerStopped("stopped while loading")
+            pieces.append(i)
+
+    w = ModelWorker(load)
+    w.launch()
+    assert began.wait(10)
+    assert w.stop(timeout=0) is False and w.stopping and w.running  # asked, not waited for
+    release.set()
+    assert w.join(10) and pieces == []
+    with pytest.raises(WorkerStopped):
+        w.submit(lambda t: None)
+
+
+def test_a_stop_right_after_a_job_is_taken_still_cancels_it():
+    # the job leaves the queue and becomes the current one under the same lock: a stop() at
+    # that moment cannot miss it (it would run to its end, and Ctrl+Q would wait for all of it)
+    w = ModelWorker(lambda: None)
+    real_next = w._next
+
+    def next_then_stop():
+        ticket = real_next()
+        if ticket is not None:
+            w.stop(timeout=0)  # Ctrl+Q between taking the job and running it
+        return ticket
+
+    w._next = next_then_stop
+    w.start()
+    ran = []
+    job = w.submit(lambda t: ran.append(t.cancelled))
+    assert job.done.wait(10) and ran == [True]
+    assert w.join(10)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
 from textual.app import App
 from textual.binding import Binding
+from textual.reactive import reactive
 
 from mlx_dgemma.paths import user_path
 
-from .engine import Backend, Engine, Job, ModelBackend
+from .engine import Backend, Engine, ModelBackend
 
 LOAD_FAILED_EXIT = 2  # the exit status when the user quits while no model could be loaded
 # How long Ctrl+Q waits for the engine to finish its current step (or tensor of a load) and
@@ -29,6 +29,10 @@ class DGemmaApp(App):
     BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
     NOTIFICATION_TIMEOUT = 3  # seconds (Textual's 5 left toasts over the chart long after they were read)
 
+    # Ctrl+Q pressed: the engine is asked to stop and the app waits for it; the chat screen's
+    # status line says so (watch_stopping) and takes no more engine messages.
+    stopping: reactive[bool] = reactive(False, init=False)
+
     def __init__(self, backend: Backend | None = None, trace_dir: str | Path = ".", **kw):
         super().__init__(**kw)
         self.backend = backend
@@ -36,8 +40,7 @@ class DGemmaApp(App):
         self.trace_dir = Path(trace_dir)
         self.last_export: Path | None = None
         self.load_error: str | None = None  # set while the model could not be loaded
-        self.engine_threads: list[threading.Thread] = []  # every engine thread started (a failed load leaves one)
-        self.stopping = False  # Ctrl+Q pressed: waiting for the engine to stop
+        self.engines: list[Engine] = []  # every engine started (a failed load leaves one, maybe still stopping)
 
     def on_mount(self) -> None:
         if self.backend is None:
@@ -77,19 +80,14 @@ class DGemmaApp(App):
         # post_message is thread-safe and does not block the engine on the UI
         self.engine = Engine(self.backend, self.chat_screen.post_message)
         self.push_screen(self.chat_screen)
-        self._engine_worker(self.engine)
-        self.engine.submit(Job("load"))
-
-    def _engine_worker(self, engine: Engine) -> None:
-        """The one thread that runs MLX for the whole session (see engine.py). A daemon thread,
-        not a Textual thread worker: those run in asyncio's default executor, which the app's
-        exit joins, so a stuck load or template render would keep Ctrl+Q from quitting."""
-        thread = threading.Thread(target=engine.run, name="mlx-dgemma-engine", daemon=True)
-        self.engine_threads.append(thread)
-        thread.start()
+        # The core's ModelWorker runs MLX for the whole session on its own daemon thread, not
+        # a Textual thread worker: those run in asyncio's default executor, which the app's
+        # exit joins, so a stuck load or template render would keep Ctrl+Q from quitting.
+        self.engines.append(self.engine)
+        self.engine.start()
 
     def engine_running(self) -> bool:
-        return any(t.is_alive() for t in self.engine_threads)
+        return any(e.running for e in self.engines)
 
     def stop_engine(self) -> None:
         if self.engine is not None:
@@ -98,8 +96,8 @@ class DGemmaApp(App):
     def join_engine(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for every engine thread to end; whether they all did."""
         end = time.monotonic() + timeout
-        for t in self.engine_threads:
-            t.join(max(0.0, end - time.monotonic()))
+        for e in self.engines:
+            e.join(max(0.0, end - time.monotonic()))
         return not self.engine_running()
 
     async def action_quit(self) -> None:
@@ -110,16 +108,17 @@ class DGemmaApp(App):
         self.stopping = True
         self.stop_engine()
         if self.engine_running():
-            self._show_stopping()
             end = time.monotonic() + QUIT_WAIT_S
             while self.engine_running() and time.monotonic() < end:
                 await asyncio.sleep(0.02)
         self.exit(return_code=LOAD_FAILED_EXIT if self.load_error is not None else 0)
 
-    def _show_stopping(self) -> None:
+    def watch_stopping(self, stopping: bool) -> None:
         from .screens.chat import ChatScreen
         from .widgets.status import StatusLine
 
+        if not stopping:
+            return
         for screen in self.screen_stack:
             if isinstance(screen, ChatScreen):
                 screen.query_one(StatusLine).update("stopping… (finishing the current step)")

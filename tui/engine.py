@@ -1,5 +1,6 @@
-"""One long-lived worker thread that owns the model: every MLX call (loading, prefill,
-denoising) happens on it, in order. The UI sends jobs; results come back as messages.
+"""The chat app's side of the core's model worker (:class:`mlx_dgemma.worker.ModelWorker`,
+the one the server uses too): the load, answer and new-chat jobs of a :class:`Backend` run
+on its thread, in order, and their results come back to the UI as Textual messages.
 
 The engine and the screens reach the model only through :class:`Backend`; the real one is
 :class:`ModelBackend`, tests plug in a scripted one (tests/tui_fakes.py) with no MLX.
@@ -7,16 +8,14 @@ The engine and the screens reach the model only through :class:`Backend`; the re
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from textual.message import Message
 
 from mlx_dgemma.errors import DGemmaError
-from mlx_dgemma.events import Event
+from mlx_dgemma.events import DoneEvent, Event
+from mlx_dgemma.worker import ModelWorker, Ticket, WorkerStopped
 
 from .messages import EngineError, EngineEvent, EngineStatus
 
@@ -53,14 +52,6 @@ class Backend(Protocol):
 
     def decode(self, ids: list[int]) -> str:
         """Token ids to text, for the trace export."""
-
-
-@dataclass
-class Job:
-    kind: str  # "load" | "generate" | "reset" | "stop"
-    prompt: str = ""
-    params: dict[str, Any] = field(default_factory=dict)
-    answer_id: int = 0
 
 
 class ModelBackend:
@@ -126,75 +117,109 @@ def describe_error(e: Exception) -> str:
     return str(e) if isinstance(e, DGemmaError) else f"{type(e).__name__}: {e}"
 
 
-class _Stopped(Exception):
-    """Raised inside a load (at its next progress report) once the app has asked the engine to stop."""
-
-
 class Engine:
-    """The job loop. ``run`` is the body of the app's single engine thread.
+    """A :class:`ModelWorker` serving one :class:`Backend`, and the messages the chat screen
+    reads: every state change (:class:`EngineStatus`), each event of an answer
+    (:class:`EngineEvent`), failures (:class:`EngineError`). ``post`` is thread-safe
+    (``Screen.post_message``): the worker never waits for the UI.
 
-    :meth:`stop` ends it at the next safe point: between denoising steps or prefill chunks
-    (through the cancel check ``stream_generate`` polls), between tensors of a load, or
-    before the next queued job. The app joins the thread before the interpreter exits: MLX
-    must not be running on it then (that aborted the process)."""
+    The worker loop itself is the core's; what stays here is what only the chat app needs
+    and the core must not know (Textual's messages, the job kinds, which answer an event
+    belongs to), so that the screens call methods, not the worker.
+
+    :meth:`stop` ends the worker at its next safe point: between denoising steps or prefill
+    chunks (the answer's ticket is cancelled, and ``stream_generate`` polls it), between
+    tensors of a load (the progress report checks :attr:`ModelWorker.stopping`), or before
+    the next queued job. The app then waits for :meth:`join` before the interpreter exits:
+    MLX must not be running on the thread then (that aborted the process)."""
 
     def __init__(self, backend: Backend, post: Callable[[Message], None]):
         self.backend = backend
         self._post = post
-        self._jobs: queue.Queue[Job] = queue.Queue()
-        self.cancel_flag = threading.Event()
-        self.stopping = threading.Event()  # set once, by stop(): the loop ends
+        self.worker: ModelWorker[None] = ModelWorker(self._load, name="mlx-dgemma-engine")
         self.loaded = False
+        self._answer: Ticket | None = None  # the last answer's job: what Escape cancels
 
-    def submit(self, job: Job) -> None:
-        if job.kind == "generate":
-            self.cancel_flag.clear()
-        self._jobs.put(job)
+    # the UI's side -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker; the load runs on it and reports as "loading", then "ready" or "failed"."""
+        self.worker.launch()
+
+    def generate(self, prompt: str, params: dict[str, Any], answer_id: int) -> None:
+        """Queue the next turn; its events come back tagged with ``answer_id``."""
+        self._answer = self._submit(lambda t: self._generate(t, prompt, params, answer_id),
+                                    skipped=lambda t: self._not_started(answer_id))
+
+    def reset(self, system: str | None) -> None:
+        """Queue a new chat, with ``system`` as its system prompt (after the answer under way, if any)."""
+        self._submit(lambda t: self._reset(system))
 
     def cancel(self) -> None:
-        self.cancel_flag.set()
+        """Escape: the answer stops at its next step or prefill chunk (or never starts)."""
+        if self._answer is not None:
+            self._answer.cancel()
 
     def stop(self) -> None:
-        self.stopping.set()
-        self.cancel_flag.set()
-        self._jobs.put(Job("stop"))  # wakes the loop if it is waiting for a job
+        """Ask the worker to stop at its next safe point; does not wait (see :meth:`join`)."""
+        self.worker.stop(timeout=0)
 
-    def _cancelled(self) -> bool:
-        return self.cancel_flag.is_set() or self.stopping.is_set()
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the worker thread to end; whether it has."""
+        return self.worker.join(timeout)
 
+    @property
+    def running(self) -> bool:
+        """The worker thread is alive (it may be finishing a step after :meth:`stop`)."""
+        return self.worker.running
+
+    def _submit(self, run: Callable[[Ticket], None], **kw: Any) -> Ticket | None:
+        try:
+            return self.worker.submit(run, **kw)
+        except WorkerStopped:  # quitting, or the load failed: the chat is closing, nothing to run
+            return None
+
+    # the worker's side (every MLX call happens here) ---------------------------------------
     def _progress(self, detail: str) -> None:
-        if self.stopping.is_set():
-            raise _Stopped
+        if self.worker.stopping:  # Ctrl+Q while loading: give up between tensors
+            raise WorkerStopped("stopped while loading")
         self._post(EngineStatus("loading", detail))
 
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            job = self._jobs.get()
-            if job.kind == "stop" or self.stopping.is_set():
-                return
-            try:
-                self._do(job)
-            except _Stopped:
-                return
-            except Exception as e:  # shown in the app; the loop keeps serving
-                if job.kind == "load":
-                    self._post(EngineStatus("failed", describe_error(e)))  # the app offers what to do
-                else:
-                    self._post(EngineError(describe_error(e), job.answer_id if job.kind == "generate" else None))
-                    self._post(EngineStatus("ready"))
-
-    def _do(self, job: Job) -> None:
-        if job.kind == "load":
-            self._post(EngineStatus("loading", self.backend.label))
+    def _load(self) -> None:
+        self._post(EngineStatus("loading", self.backend.label))
+        try:
             self.backend.load(self._progress)
-            self.loaded = True
-            self._post(EngineStatus("ready", self.backend.label))
-        elif job.kind == "reset":
-            self.backend.reset(**job.params)
-        elif job.kind == "generate":
-            if not self.loaded:
-                return  # queued while a load was failing; the app has left the chat
+        except Exception as e:
+            if not self.worker.stopping:  # the app offers what to do
+                self._post(EngineStatus("failed", describe_error(e)))
+            raise  # the worker ends: the jobs queued meanwhile never run
+        self.loaded = True
+        self._post(EngineStatus("ready", self.backend.label))
+
+    def _generate(self, ticket: Ticket, prompt: str, params: dict[str, Any], answer_id: int) -> None:
+        try:
             self._post(EngineStatus("busy"))
-            for ev in self.backend.stream(job.prompt, self._cancelled, **job.params):
-                self._post(EngineEvent(ev, job.answer_id))
+            for ev in self.backend.stream(prompt, lambda: ticket.cancelled, **params):
+                self._post(EngineEvent(ev, answer_id))
+        except Exception as e:  # noqa: BLE001 - shown in the app, never a crash; the worker goes on
+            self._post(EngineError(describe_error(e), answer_id))
+        self._post(EngineStatus("ready"))
+
+    def _reset(self, system: str | None) -> None:
+        try:
+            self.backend.reset(system=system)
+        except Exception as e:  # noqa: BLE001 - as an answer's error
+            self._post(EngineError(describe_error(e)))
             self._post(EngineStatus("ready"))
+
+    def _not_started(self, answer_id: int) -> None:
+        """An answer cancelled while it waited (Escape on a message sent during the load): it
+        never runs, but the screen still hears that it ended, so it does not stay "answering"."""
+        if self.worker.stopping or not self.loaded:
+            return  # quitting, or the load failed: the chat screen is gone
+        done = DoneEvent(text="", thinking="", tokens=(), finish_reason="cancelled", prompt_tokens=0,
+                         prefill_seconds=0.0, prefill_tokens_per_second=0.0, steps=0, steps_per_block=(),
+                         seconds_per_step=0.0, tokens_per_forward=0.0, generation_seconds=0.0,
+                         peak_memory_bytes=self.backend.memory_bytes(),
+                         precision=self.backend.precision_label)
+        self._post(EngineEvent(done, answer_id))
+        self._post(EngineStatus("ready"))

@@ -16,7 +16,7 @@ from textual.widgets import Footer, Input
 from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
 from mlx_dgemma.trace import Trace, trace_header
 
-from ..engine import Backend, Job
+from ..engine import Backend
 from ..messages import EngineError, EngineEvent, EngineStatus
 from ..widgets.banner import DemoBanner
 from ..widgets.canvas import CanvasTitle, CanvasView
@@ -24,10 +24,12 @@ from ..widgets.chat_log import Answer, ChatLog
 from ..widgets.entropy import EntropyChart
 from ..widgets.status import StatusLine, finish_words
 
-# The canvas redraws at most this often, however fast steps arrive. A timer rather than
-# Message.can_replace: can_replace only drops steps still queued behind a newer one, so a fast
-# model would still redraw at every step the queue happens to hold alone; the timer bounds the
-# redraw rate whatever the arrival pattern, and every step still reaches the trace.
+# Steps are coalesced by a 15 Hz timer (``_flush``), not by Message.can_replace: each
+# EngineEvent is handled (the step goes into the trace: export and replay need every one) and
+# only remembered as ``_pending``; the timer draws the newest. can_replace would drop the
+# replaced steps before any handler saw them (holes in the trace), and it only coalesces steps
+# that happen to be queued together, so it does not bound the redraw rate; the timer does,
+# whatever the arrival pattern (a fast model on a GPU, or a burst after a slow redraw).
 REFRESH_HZ = 15
 PLACEHOLDERS = {"loading": "Loading the model…",
                 "ready": "Message (Enter to send)", "busy": "Answering… (Escape to cancel)"}
@@ -47,11 +49,13 @@ class ChatScreen(Screen):
     # An answer is under way: the prompt's placeholder follows (see watch_busy). Every
     # assignment is watched: a "ready" after the load must replace "Loading the model…".
     busy: reactive[bool] = reactive(False, always_update=True, init=False)
+    # The replay position (block and step index in the trace, from 0); None: live, the timer
+    # draws the newest step. Moving it redraws that step (see watch_cursor).
+    cursor: reactive[tuple[int, int] | None] = reactive(None, init=False)
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.trace = Trace()
-        self.cursor: tuple[int, int] | None = None  # replay position; None = live
         self.answer: Answer | None = None
         self.answer_id = 0
         self.params: dict = {}  # sampler overrides (Ctrl+O)
@@ -85,6 +89,10 @@ class ChatScreen(Screen):
 
     def watch_busy(self, busy: bool) -> None:
         self.query_one("#prompt", Input).placeholder = PLACEHOLDERS["busy" if busy else "ready"]
+
+    def watch_cursor(self, cursor: tuple[int, int] | None) -> None:
+        if cursor is not None:  # back to live (None): the next step, or a cleared canvas, shows
+            self._draw(*cursor)
 
     def on_mount(self) -> None:
         self.think, self.system = self.backend.think, self.backend.system
@@ -204,7 +212,7 @@ class ChatScreen(Screen):
             "max_new_tokens", 256))
         self._blocks_planned = -(-max_new // canvas)
         self.busy = True
-        self.app.engine.submit(Job("generate", text, {**self.params, "think": self.think}, self.answer_id))
+        self.app.engine.generate(text, {**self.params, "think": self.think}, self.answer_id)
 
     def _forget_answer(self, trace: Trace) -> None:
         """The one place that drops the last answer's steps, figures and canvas (a new answer,
@@ -237,7 +245,7 @@ class ChatScreen(Screen):
         if self.busy:
             self.app.engine.cancel()
         self.answer_id += 1
-        self.app.engine.submit(Job("reset", params={"system": self.system}))
+        self.app.engine.reset(self.system)
         self.turn = 0
         self.answer = None
         self._forget_answer(Trace())
@@ -271,7 +279,6 @@ class ChatScreen(Screen):
         pos = steps.index(self.cursor) if self.cursor in steps else len(steps) - 1
         pos = max(0, min(len(steps) - 1, pos + delta))
         self.cursor = steps[pos]
-        self._draw(*self.cursor)
 
     def action_export(self) -> None:
         if not self.trace.blocks:

@@ -52,9 +52,12 @@ def plural(n: int, word: str) -> str:
 
 def finish_words(done: DoneEvent, at: tuple[int, int] | None = None) -> str:
     """Why the answer ended, in words. ``at``: the block and step (both from 1) a cancelled
-    answer had reached, when it reached any."""
+    answer had reached, when it reached any; one with no prompt tokens never started (it was
+    cancelled while it waited for the model)."""
     if done.finish_reason == "cancelled":
-        return f"cancelled at block {at[0]}, step {at[1]}" if at else "cancelled during the prefill"
+        if at:
+            return f"cancelled at block {at[0]}, step {at[1]}"
+        return "cancelled during the prefill" if done.prompt_tokens else "cancelled before it started"
     return FINISHED.get(done.finish_reason, done.finish_reason)
 
 
