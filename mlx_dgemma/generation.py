@@ -45,7 +45,8 @@ class BlockResult:
 
 def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, key: mx.array,
                   dtype: mx.Dtype | None = None, block: int = 1, initial_canvas: mx.array | None = None,
-                  step_fn: StepFunction | None = None, logprobs: int | None = None) -> Iterator[StepEvent | BlockResult]:
+                  step_fn: StepFunction | None = None,
+                  logprobs: int | None = None) -> Iterator[StepEvent | BlockResult]:
     """Denoise one canvas against ``cache``: yields a StepEvent per step, then a BlockResult.
     ``block`` is the block's number, counted from 1 (as every event and message counts it).
 
@@ -304,7 +305,8 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
         parsed = parse_answer(raw)
         lp: tuple[np.ndarray, ...] = ()
         if result.logprobs is not None:  # the generated positions only: up to the EOS, not its padding
-            n = next((i + 1 for i, t in enumerate(block) if t in p.eos_token_id), len(block)) if finished else len(block)
+            n = next((i + 1 for i, t in enumerate(block) if t in p.eos_token_id), len(block)) if finished \
+                else len(block)
             lp = tuple(_frozen(a[:n]) for a in result.logprobs)
         yield BlockEvent(b + 1, tuple(block), result.steps, finished, parsed.answer, parsed.thinking, raw, *lp)
         last = finished or b + 1 == n_blocks
