@@ -1,6 +1,7 @@
 """Server overhead: a one-block answer through `mlx-dgemma serve` vs the same generation in process.
 
     python benchmarks/server_overhead.py [--reps 10] [--steps 4] [--json results/server_overhead.json]
+    python benchmarks/server_overhead.py --load [--clients 1,4,8,16] [--soak 150] [--steps 4] [--json FILE]
 
 The server runs as a subprocess (`mlx-dgemma serve --demo --port 0`); this process loads the
 same demo model and runs the same requests directly (same prompt, seed and settings, so the
@@ -11,6 +12,12 @@ same tokens and the same number of steps), alternating A/B to cancel machine dri
 * overhead = (server - direct) / server, on the medians, and per request from the server's own
   log: client wall time minus the engine's time for the job (HTTP, JSON, queue hand-offs);
 * prefix reuse: turn 2 of a conversation continued (only the new turn prefilled) vs sent fresh.
+
+``--load`` measures the server under parallel clients instead (:func:`load_main`, its own section
+below): throughput (requests/min) and p50/p95 latency with 1, 4, 8 and 16 parallel clients (the
+official ``openai`` client, one per thread), a soak of ``--soak`` requests with the server's RSS at
+its start and end, and disconnects (streams closed after their first chunk, requests abandoned by
+a client timeout): how long until the server is idle again, and that it answers afterwards.
 """
 
 import argparse
@@ -23,14 +30,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PROMPT = "Why is the sky blue?"
 
 
 class Server:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "mlx_dgemma", "serve", "--demo", "--port", "0"],
+    def __init__(self, *extra: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlx_dgemma", "serve", "--demo", "--port", "0", *extra],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.port: int | None = None
@@ -97,7 +105,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--steps", type=int, default=4, help="max denoising steps of the block")
     ap.add_argument("--json", help="also write the JSON here")
+    ap.add_argument("--load", action="store_true", help="parallel clients, soak and disconnects instead")
+    ap.add_argument("--clients", default="1,4,8,16", help="--load: parallel client counts")
+    ap.add_argument("--soak", type=int, default=150, help="--load: requests of the soak")
     args = ap.parse_args()
+    if args.load:
+        return load_main(args)
 
     from mlx_dgemma import ChatSession, stream_generate
     from mlx_dgemma.demo import load_demo
@@ -203,6 +216,195 @@ def main() -> int:
     print(f"prefix reuse: turn 2 = {pr['turn2_prompt_tokens']} prompt tokens; continued: {pr['reused_prefilled_tokens']} "
           f"prefilled ({pr['reused_cached_tokens']} cached) in {pr['reused_prefill_s']} s; fresh: "
           f"{pr['fresh_prefilled_tokens']} prefilled in {pr['fresh_prefill_s']} s")
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------- load, soak, disconnects
+# (python benchmarks/server_overhead.py --load)
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident set of process ``pid`` (Linux /proc; 0 where it cannot be read)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation between closest ranks."""
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def run_clients(base_url: str, clients: int, total: int, body: "Callable[[int], dict]") -> dict:
+    """``total`` chat requests from ``clients`` threads (each its own openai client, closed loop):
+    wall time, throughput, latency percentiles, failures."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    lock = threading.Lock()
+    nxt = [0]
+    lat: list[float] = []
+    fails: list[str] = []
+
+    def client() -> None:
+        oa = openai.OpenAI(base_url=base_url, api_key="unused", timeout=3600, max_retries=0)
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= total:
+                return
+            b = body(i)
+            t0 = time.perf_counter()
+            try:
+                if b.get("stream"):
+                    text = "".join(c.choices[0].delta.content or "" for c in
+                                   oa.chat.completions.create(**b) if c.choices)
+                else:
+                    text = oa.chat.completions.create(**b).choices[0].message.content
+                assert isinstance(text, str)
+                dt = time.perf_counter() - t0
+                with lock:
+                    lat.append(dt)
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                with lock:
+                    fails.append(f"{type(e).__name__}: {str(e)[:120]}")
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for f in [pool.submit(client) for _ in range(clients)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    return {"clients": clients, "requests": total, "ok": len(lat), "failed": len(fails), "wall_s": round(wall, 2),
+            "req_per_min": round(60 * len(lat) / wall, 2),
+            "p50_s": round(percentile(lat, 50), 2), "p95_s": round(percentile(lat, 95), 2),
+            "errors": sorted(set(fails))[:5]}
+
+
+def health(conn_port: int) -> dict:
+    c = http.client.HTTPConnection("127.0.0.1", conn_port, timeout=30)
+    c.request("GET", "/health")
+    out = json.loads(c.getresponse().read())
+    c.close()
+    return out
+
+
+def disconnects(server: Server, body: dict, client_body: dict, n: int = 4) -> dict:
+    """``n`` streams closed after their first chunk and ``n`` non-streaming requests abandoned by a
+    1 s client timeout, all at once: seconds until the server is idle, the cancelled count, and
+    whether the next request is answered."""
+    import socket
+
+    port = server.port
+    before = sum("finish=cancelled" in ln for ln in server.posts())
+    data = json.dumps(body).encode()
+    socks = []
+    t0 = time.perf_counter()
+    for i in range(2 * n):
+        stream = i < n
+        payload = json.dumps({**body, "stream": stream, "seed": 1000 + i}).encode() if stream else data
+        s = socket.create_connection(("127.0.0.1", port), timeout=60)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        socks.append((s, stream))
+    for s, stream in socks:
+        try:
+            if stream:
+                s.recv(1)  # the response has begun (headers, the role chunk): then the client leaves
+            else:
+                s.settimeout(1.0)
+                try:
+                    s.recv(1)
+                except socket.timeout:
+                    pass
+        finally:
+            s.close()
+    left = time.perf_counter()
+    idle_after = None
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        h = health(port)
+        if not h["busy"] and h["queued"] == 0:
+            idle_after = round(time.perf_counter() - left, 2)
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)  # the log line follows the worker's release
+    cancelled = sum("finish=cancelled" in ln for ln in server.posts()) - before
+    t1 = time.perf_counter()
+    ok = run_clients(f"http://127.0.0.1:{port}/v1", 1, 1, lambda i: client_body)["ok"] == 1
+    return {"clients_gone": 2 * n, "idle_after_last_left_s": idle_after, "cancelled_by_server": int(cancelled),
+            "next_request_ok": ok, "next_request_s": round(time.perf_counter() - t1, 2),
+            "total_s": round(time.perf_counter() - t0, 2)}
+
+
+def load_main(args: argparse.Namespace) -> int:
+    """Throughput and latency with parallel clients, the soak, disconnects: a table, then JSON."""
+    import platform
+
+    levels = [int(c) for c in args.clients.split(",") if c]
+    server = Server("--queue-size", str(max(levels + [16])))
+    base = f"http://127.0.0.1:{server.port}/v1"
+    C = 64  # the demo's canvas: one block per answer
+
+    def body(i: int, stream: bool = False) -> dict:
+        return {"model": "mlx-dgemma-demo", "seed": i, "max_tokens": C, "stream": stream,
+                "messages": [{"role": "user", "content": f"{PROMPT} ({i})"}],
+                "extra_body": {"max_denoising_steps": args.steps}}
+
+    load0 = os.getloadavg()
+    run_clients(base, 1, 2, body)  # warm: kernels, the step's trace
+    rows = [run_clients(base, c, max(8, 2 * c), lambda i, c=c: body(10_000 * c + i)) for c in levels]
+    rss0 = rss_bytes(server.proc.pid)
+    soak_rss = [rss0]
+    soak: list[dict] = []
+    per = 25
+    for k in range(0, args.soak, per):
+        n = min(per, args.soak - k)
+        soak.append(run_clients(base, 4, n, lambda i, k=k: body(500_000 + k + i, stream=(k + i) % 2 == 1)))
+        soak_rss.append(rss_bytes(server.proc.pid))
+    gone = disconnects(server, {k: v for k, v in body(7).items() if k != "extra_body"} |
+                       {"max_denoising_steps": args.steps}, body(8))
+    load1 = os.getloadavg()
+    errors = [ln for ln in server.lines if "Traceback" in ln or " 500 " in ln]
+    server.stop()
+    soak_ok = sum(r["ok"] for r in soak)
+    soak_wall = sum(r["wall_s"] for r in soak)
+    result = {
+        "model": "demo", "canvas": C, "max_denoising_steps": args.steps,
+        "backend": "MLX CPU", "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+        "loadavg_start": [round(x, 2) for x in load0], "loadavg_end": [round(x, 2) for x in load1],
+        "levels": rows,
+        "soak": {"requests": args.soak, "ok": soak_ok, "failed": sum(r["failed"] for r in soak),
+                 "clients": 4, "stream_share": 0.5, "wall_s": round(soak_wall, 1),
+                 "req_per_min": round(60 * soak_ok / soak_wall, 2) if soak_wall else None,
+                 "rss_mb": [round(b / 1e6, 1) for b in soak_rss]},
+        "disconnects": gone,
+        "server_tracebacks_or_500": len(errors),
+    }
+    print(f"server under load: demo model, one {C}-token block, <= {args.steps} steps; {result['machine']}, "
+          f"MLX CPU; load average {load0[0]:.2f} -> {load1[0]:.2f}")
+    print("| clients | requests | ok | req/min | p50 s | p95 s |\n| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['clients']} | {r['requests']} | {r['ok']} | {r['req_per_min']} | {r['p50_s']} | {r['p95_s']} |")
+    sk = result["soak"]
+    print(f"soak: {sk['ok']}/{sk['requests']} ok, {sk['req_per_min']} req/min, RSS {sk['rss_mb'][0]} -> "
+          f"{sk['rss_mb'][-1]} MB (every 25: {sk['rss_mb']})")
+    print(f"disconnects: {gone['clients_gone']} clients left; idle {gone['idle_after_last_left_s']} s after the "
+          f"last left, {gone['cancelled_by_server']} cancelled; next request ok: {gone['next_request_ok']}")
     print(json.dumps(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,13 @@ class BlockEvent:
     text: str  # the answer so far (thought channel removed)
     thinking: str  # the thought channel so far
     raw_text: str  # everything decoded, specials included
+    # Only when asked (``logprobs=`` of stream_generate), else None: for each generated position of
+    # the block (up to its EOS; the padding after it was never sampled), the log-probability of its
+    # token and the ``logprobs`` most likely tokens under the distribution of the step that
+    # committed the block (its stopping step: the logits divided by that step's temperature).
+    logprobs: np.ndarray | None = None  # [n] float32
+    top_ids: np.ndarray | None = None  # [n, k] int32, most likely first
+    top_logprobs: np.ndarray | None = None  # [n, k] float32
 
 
 @dataclass(frozen=True)

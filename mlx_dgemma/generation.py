@@ -25,7 +25,7 @@ from .errors import NonFiniteError, ParameterError
 from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent  # noqa: F401
 from .memory import check_fits, estimate, peak_memory_bytes, reset_peak_memory
 from .model import DEFAULT_PREFILL_CHUNK, DiffusionGemma
-from .sampler import SamplerParams, finalize_block, temperature
+from .sampler import SamplerParams, finalize_block, temperature, token_logprobs
 from .step import StepFunction
 from .tokenizer import Tokenizer
 
@@ -39,16 +39,22 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 class BlockResult:
     tokens: list[int]
     steps: int
+    # with ``logprobs=``: the tokens' log-probabilities [C], the top ids and theirs [C, k] (numpy)
+    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, key: mx.array,
                   dtype: mx.Dtype | None = None, block: int = 1, initial_canvas: mx.array | None = None,
-                  step_fn: StepFunction | None = None) -> Iterator[StepEvent | BlockResult]:
+                  step_fn: StepFunction | None = None,
+                  logprobs: int | None = None) -> Iterator[StepEvent | BlockResult]:
     """Denoise one canvas against ``cache``: yields a StepEvent per step, then a BlockResult.
     ``block`` is the block's number, counted from 1 (as every event and message counts it).
 
     Each step is one compiled graph and one device sync; only the canvas, draft, accepted
-    mask and entropies ([C] each) reach the host, never the [C, V] logits.
+    mask and entropies ([C] each) reach the host, never the [C, V] logits. With ``logprobs``
+    (k >= 0) the committed tokens' log-probabilities and the top k are computed once, after the
+    stopping step, from that step's temperature-scaled logits (the step's own output, so the
+    compiled step is the same with or without them).
     """
     C, V = model.args.canvas_length, model.args.vocab_size
     step_fn = step_fn or StepFunction.shared(model, params, dtype)
@@ -79,7 +85,12 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
                         float(temp), time.perf_counter() - t0, stopped)
         if stopped:
             break
-    yield BlockResult(np.array(argmax[0]).astype(np.int64).tolist(), i)
+    lp = None
+    if logprobs is not None:  # sc_logits: the committing step's logits / its temperature
+        arrays = token_logprobs(sc_logits, argmax, logprobs)
+        mx.eval(*arrays)
+        lp = tuple(np.array(a[0]) for a in arrays)
+    yield BlockResult(np.array(argmax[0]).astype(np.int64).tolist(), i, lp)
 
 
 def precision_label(model: DiffusionGemma) -> str:
@@ -125,9 +136,10 @@ class ChatSession:
                                                  add_generation_prompt=generation_prompt,
                                                  enable_thinking=self.enable_thinking))
 
-    def stream(self, user: str, cancel: Callable[[], bool] | None = None, **overrides: Any) -> Iterator[Event]:
-        """Answer ``user``; yields events (see :func:`stream_generate`). The consumer should
-        iterate to the end: after the DoneEvent the cache is brought up to the answer."""
+    def stream(self, user: str, cancel: Callable[[], bool] | None = None, logprobs: int | None = None,
+               **overrides: Any) -> Iterator[Event]:
+        """Answer ``user``; yields events (see :func:`stream_generate`, ``logprobs`` too). The
+        consumer should iterate to the end: after the DoneEvent the cache is brought up to the answer."""
         if not isinstance(user, str) or not user.strip():
             raise ParameterError("prompt: empty; give some text")
         params = self.params.with_overrides(**overrides)
@@ -150,7 +162,7 @@ class ChatSession:
         try:
             for ev in _run(self.model, self.tokenizer, self.cache, full[n:], params, self.dtype, cancel,
                            history_len=n, chunk_size=self.prefill_chunk_size,
-                           checkpoint=(mark - n, lambda: saved.append(self.cache.checkpoint()))):
+                           checkpoint=(mark - n, lambda: saved.append(self.cache.checkpoint())), logprobs=logprobs):
                 if isinstance(ev, DoneEvent):
                     answer_ids = list(ev.tokens)
                 yield ev
@@ -180,7 +192,8 @@ def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | l
                     *, generation_config: dict | None = None, dtype: mx.Dtype | None = None,
                     enable_thinking: bool = False, chat: bool = True,
                     cancel: Callable[[], bool] | None = None,
-                    prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK, **params: Any) -> Iterator[Event]:
+                    prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK, logprobs: int | None = None,
+                    **params: Any) -> Iterator[Event]:
     """Generate an answer; yields PrefillProgressEvents (one per prefill chunk of
     ``prefill_chunk_size`` tokens, when the prompt spans several), a PrefillEvent, StepEvents,
     BlockEvents, then a DoneEvent.
@@ -194,6 +207,10 @@ def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | l
     (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
     confidence_threshold, max_new_tokens, seed, sc_top_k, accept_probability). Without ``generation_config`` the
     model's own (``model.generation_config``, attached by :func:`mlx_dgemma.load`) is used.
+
+    ``logprobs`` (an integer k >= 0; None, the default, costs nothing): each BlockEvent carries
+    its tokens' log-probabilities and the k most likely tokens per position, under the
+    distribution of the step that committed the block (its temperature-scaled logits).
     """
     p = SamplerParams.from_config(_model_defaults(model, generation_config), **params)
     if isinstance(prompt, str):
@@ -209,13 +226,13 @@ def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | l
     if not ids:
         raise ParameterError("prompt: no tokens; give some text")
     yield from _run(model, tokenizer, model.make_cache(), ids, p, dtype, cancel, history_len=0,
-                    chunk_size=prefill_chunk_size)
+                    chunk_size=prefill_chunk_size, logprobs=logprobs)
 
 
 def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[int], p: SamplerParams,
          dtype: mx.Dtype, cancel: Callable[[], bool] | None, history_len: int,
          chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
-         checkpoint: tuple[int, Callable[[], None]] | None = None) -> Iterator[Event]:
+         checkpoint: tuple[int, Callable[[], None]] | None = None, logprobs: int | None = None) -> Iterator[Event]:
     """Prefill ``ids`` into ``cache`` (in chunks) and generate. ``checkpoint`` (k, call): call
     ``call()`` once the first k of ``ids`` are encoded (a chat session returns there later)."""
     C = model.args.canvas_length
@@ -228,6 +245,13 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
         raise ParameterError(f"prompt: token ids must be in [0, {model.args.vocab_size})")
     if chunk_size is not None and chunk_size < 1:
         raise ParameterError(f"prefill_chunk_size: {chunk_size}; expected a positive number of tokens")
+    if logprobs is not None:
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= model.args.vocab_size:
+            raise ParameterError(f"logprobs: {logprobs!r}; expected an integer in [0, {model.args.vocab_size}] "
+                                 "(the most likely tokens to report per position) or None", param="logprobs")
+        if getattr(model, "group", None) is not None:  # the logits' vocabulary is split across ranks
+            raise ParameterError("logprobs: not available under mlx.launch (each rank holds part of the "
+                                 "vocabulary); leave it out", param="logprobs")
     dtype = dtype or getattr(model, "activation_dtype", mx.float32)  # the runtime precision's
     if isinstance(cache, KVCache):  # a real model (test doubles have no shapes to estimate)
         check_fits(estimate(model.args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
@@ -261,7 +285,7 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
     for b in range(n_blocks):
         key, sub = mx.random.split(key)
         result: BlockResult | None = None
-        for ev in denoise_block(model, cache, p, sub, dtype=dtype, block=b + 1, step_fn=step_fn):
+        for ev in denoise_block(model, cache, p, sub, dtype=dtype, block=b + 1, step_fn=step_fn, logprobs=logprobs):
             if isinstance(ev, BlockResult):
                 result = ev
                 break
@@ -279,7 +303,12 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
         out += block
         raw = tokenizer.decode(out)
         parsed = parse_answer(raw)
-        yield BlockEvent(b + 1, tuple(block), result.steps, finished, parsed.answer, parsed.thinking, raw)
+        lp: tuple[np.ndarray, ...] = ()
+        if result.logprobs is not None:  # the generated positions only: up to the EOS, not its padding
+            n = next((i + 1 for i, t in enumerate(block) if t in p.eos_token_id), len(block)) if finished \
+                else len(block)
+            lp = tuple(_frozen(a[:n]) for a in result.logprobs)
+        yield BlockEvent(b + 1, tuple(block), result.steps, finished, parsed.answer, parsed.thinking, raw, *lp)
         last = finished or b + 1 == n_blocks
         if not last:  # commit the block through the encoder: the next block's canvas reads it
             model.prefill(mx.array([block], dtype=mx.int32), cache, dtype=dtype)

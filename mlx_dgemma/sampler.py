@@ -135,6 +135,26 @@ def sample_step(raw_logits: mx.array, temp: float | mx.array, bound: float, voca
             "canvas": canvas.astype(mx.int32), "revealed": revealed}
 
 
+def token_logprobs(processed: mx.array, tokens: mx.array, top: int = 0) -> tuple[mx.array, mx.array, mx.array]:
+    """Log-probabilities under softmax(``processed``) (a step's temperature-scaled logits [B, C, V],
+    the distribution that step's sampler used): of ``tokens`` [B, C] and of the ``top`` most likely
+    tokens per position, most likely first (ids [B, C, top], log-probabilities [B, C, top]).
+
+    Not part of the compiled step: ``denoise_block`` calls it once per block, on the committing
+    step's logits, and only when log-probabilities are asked for.
+    """
+    x = processed.astype(mx.float32)
+    logp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logp, tokens[..., None].astype(mx.int32), axis=-1)[..., 0]
+    if top <= 0:
+        empty = mx.zeros((*tokens.shape, 0))
+        return chosen, empty.astype(mx.int32), empty
+    ids = mx.argpartition(-logp, top - 1, axis=-1)[..., :top]
+    vals = mx.take_along_axis(logp, ids, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return chosen, mx.take_along_axis(ids, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)
+
+
 def stop_update(history: mx.array | None, argmax: mx.array, entropy: mx.array, k: int,
                 threshold: float) -> tuple[mx.array, mx.array | None]:
     """StableAndConfident as a pure function: (stop [B], new history [k, B, C]).

@@ -116,6 +116,13 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to decoded text (a byte-fallback token ``<0xNN>``: that byte)."""
+        t = self.tokens[token_id]
+        if t.startswith("<0x") and t.endswith(">") and len(t) == 6:
+            return bytes([int(t[3:5], 16)])
+        return t.replace(_SPACE, " ").encode("utf-8")
+
     def piece(self, token_id: int) -> str:
         """How one token reads on its own (for the canvas view): bytes and U+2581 resolved."""
         t = self.tokens[token_id] if 0 <= token_id < self.vocab_size else "?"

@@ -259,3 +259,76 @@ def test_answers_share_one_traced_step(tiny_model_dir, monkeypatch):
     apply_precision(model, resolve_precision("fast", None))
     list(stream_generate(model, tok, "Hello", **run))
     assert len(traces) == first + 4
+
+
+# --------------------------------------------------------------------------- log-probabilities
+
+def test_logprobs_are_the_committing_steps_from_recomputed_logits(monkeypatch):
+    """On the trained demo: each committed token's log-probability (and the top k) is that of
+    the block's stopping step, log_softmax(logits / that step's temperature), with the logits
+    recomputed here by the model from the step's inputs (the canvas and self-conditioning logits
+    the step function was given, the cache rebuilt from the prompt and earlier blocks). Asking
+    for them changes nothing else."""
+    from mlx_dgemma.demo import load_demo
+    from mlx_dgemma.step import StepFunction
+
+    model, tok = load_demo()
+    C = model.args.canvas_length
+    ids = tok.encode(render_chat([{"role": "user", "content": "And God said"}], tok.chat_template))
+    # a hotter schedule than the demo's (0.25 -> 0.05), whose last steps leave the tokens almost certain
+    kw = dict(seed=5, max_denoising_steps=5, max_new_tokens=2 * C, t_min=1.0, t_max=2.0)
+    plain = list(stream_generate(model, tok, ids, **kw))
+
+    calls: list[tuple] = []  # what each step was given: canvas, self-conditioning logits, temperature
+    original = StepFunction.__call__
+
+    def spy(self, canvas, sc, temperature, key, history, cache, revealed=None):
+        calls.append((np.array(canvas), None if sc is None else np.array(sc), temperature, self.dtype, self.sc_top_k))
+        return original(self, canvas, sc, temperature, key, history, cache, revealed)
+
+    monkeypatch.setattr(StepFunction, "__call__", spy)
+    k = 4
+    events = list(stream_generate(model, tok, ids, logprobs=k, **kw))
+    monkeypatch.undo()
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    blocks = [e for e in events if isinstance(e, BlockEvent)]
+    assert len(calls) == len(steps)
+    # the same answer, steps and entropies with or without them; without, the events carry none
+    assert events[-1].tokens == plain[-1].tokens
+    assert [s.entropy.tolist() for s in steps] == [e.entropy.tolist() for e in plain if isinstance(e, StepEvent)]
+    assert all(b.logprobs is None and b.top_ids is None for b in plain if isinstance(b, BlockEvent))
+
+    earlier: list[int] = []
+    for b in blocks:
+        i = max(j for j, s in enumerate(steps) if s.block == b.block)  # the block's stopping step
+        canvas, sc, temp, dtype, sc_top_k = calls[i]
+        assert temp == pytest.approx(steps[i].temperature)
+        cache = model.make_cache()
+        model.prefill(mx.array([ids + earlier]), cache)
+        logits = model.denoise(mx.array(canvas), cache, None if sc is None else mx.array(sc), dtype=dtype,
+                               sc_top_k=sc_top_k)
+        x = np.array(logits[0].astype(mx.float32), dtype=np.float64) / temp
+        logp = x - x.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        n = len(b.logprobs)
+        gen = list(b.tokens[:n])
+        eos = SamplerParams.from_config(model.generation_config).eos_token_id
+        end = next(j + 1 for j, t in enumerate(b.tokens) if t in eos) if b.finished else C
+        assert n == end and b.top_ids.shape == b.top_logprobs.shape == (n, k)
+        assert gen == logp[:n].argmax(-1).tolist()  # the committed tokens are that step's argmax
+        np.testing.assert_allclose(b.logprobs, logp[np.arange(n), gen], atol=2e-3)
+        expect = np.sort(logp[:n], axis=-1)[:, ::-1][:, :k]
+        np.testing.assert_allclose(b.top_logprobs, expect, atol=2e-3)
+        np.testing.assert_allclose(np.take_along_axis(logp[:n], b.top_ids.astype(np.int64), -1), b.top_logprobs,
+                                   atol=2e-3)
+        assert (b.top_logprobs[:, 0] >= b.logprobs - 1e-6).all() and (np.diff(b.top_logprobs, axis=-1) <= 0).all()
+        earlier += list(b.tokens)
+    # not all certain, so that the comparison can tell the tokens' logprobs apart
+    assert any(b.logprobs.min() < -0.1 for b in blocks) and any(b.top_logprobs[:, 1].max() > -10 for b in blocks)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, 10**9])
+def test_logprobs_out_of_range_is_a_parameter_error(loaded, bad):
+    model, tok = loaded
+    with pytest.raises(ParameterError, match="logprobs"):
+        list(stream_generate(model, tok, "Hi", logprobs=bad, max_new_tokens=8))

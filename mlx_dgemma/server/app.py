@@ -315,16 +315,21 @@ async def chat_completions(body: ChatRequest, request: Request, engine: Engine =
         raise APIError(400, f"messages[{last}].content: empty; give some text", param=f"messages[{last}].content")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     thinking = _thinking(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = engine.sampler_overrides(body, max_tokens)
     await run_in_threadpool(engine.prepare_chat, messages, thinking, params, tools)
-    return await _submit(request, engine, "chat", body, messages, _answer_cap(params), params, thinking, tools)
+    return await _submit(request, engine, "chat", body, messages, _answer_cap(params), params, thinking, tools,
+                         logprobs)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, engine: Engine = Depends(get_engine)) -> Response:
     params = engine.sampler_overrides(body, body.max_tokens)
     ids = await run_in_threadpool(engine.prepare_completion, body.prompt, params)
-    return await _submit(request, engine, "completion", body, ids, _answer_cap(params), params, False)
+    return await _submit(request, engine, "completion", body, ids, _answer_cap(params), params, False,
+                         logprobs=body.logprobs)
 
 
 def _answer_cap(params: dict[str, Any]) -> int | None:
@@ -333,9 +338,11 @@ def _answer_cap(params: dict[str, Any]) -> int | None:
 
 
 async def _submit(request: Request, engine: Engine, kind: str, body: Sampling, prompt: Any, max_tokens: int | None,
-                  params: dict[str, Any], thinking: bool, tools: list[dict[str, Any]] | None = None) -> Response:
+                  params: dict[str, Any], thinking: bool, tools: list[dict[str, Any]] | None = None,
+                  logprobs: int | None = None) -> Response:
     job = Job(kind, prompt, params, max_tokens, body.stop, thinking,
-              bool(body.diffusion and body.diffusion.stream_steps), asyncio.get_running_loop(), tools=tools)
+              bool(body.diffusion and body.diffusion.stream_steps), asyncio.get_running_loop(), tools=tools,
+              logprobs=logprobs)
     fmt = Formatter(kind, engine.model_id)
     job.stats["id"] = fmt.id  # the log line names the response's id
     _log_info(request)["job"] = job
@@ -363,11 +370,19 @@ async def _submit(request: Request, engine: Engine, kind: str, body: Sampling, p
 async def _stream(job: Job, fmt: Formatter, watcher: asyncio.Task, include_usage: bool) -> AsyncIterator[str]:
     content, reasoning = Deltas(), Deltas()
     calls_sent = 0  # a tool call goes out whole, once the block holding its end is committed
+    lp_sent = 0  # logprobs entries sent (each goes out once its block is committed)
 
     def new_calls(calls: tuple) -> list[tuple[int, Any]]:
         nonlocal calls_sent
         out = list(enumerate(calls))[calls_sent:]
         calls_sent = max(calls_sent, len(calls))
+        return out
+
+    def new_logprobs(entries: tuple | None) -> tuple | None:
+        nonlocal lp_sent
+        if not entries or len(entries) <= lp_sent:
+            return None
+        out, lp_sent = entries[lp_sent:], len(entries)
         return out
 
     try:
@@ -379,8 +394,9 @@ async def _stream(job: Job, fmt: Formatter, watcher: asyncio.Task, include_usage
                 yield sse(fmt.extra(diffusion=payload))
             elif what == "text":
                 dc, dr = content(payload[0]), reasoning(payload[1])
-                if dc or dr:
-                    yield sse(fmt.delta(dc, dr))
+                lp = new_logprobs(payload[3])
+                if dc or dr or lp:
+                    yield sse(fmt.delta(dc, dr, logprobs=lp))
                 calls = new_calls(payload[2])
                 if calls:
                     yield sse(fmt.delta(tool_calls=calls))
@@ -388,14 +404,17 @@ async def _stream(job: Job, fmt: Formatter, watcher: asyncio.Task, include_usage
                 if payload is None:
                     return
                 dc, dr = content(payload.content), reasoning(payload.reasoning)
-                if dc or dr:
-                    yield sse(fmt.delta(dc, dr))
+                lp = new_logprobs(payload.logprobs)
+                if dc or dr or lp:
+                    yield sse(fmt.delta(dc, dr, logprobs=lp))
                 calls = new_calls(payload.tool_calls)
                 if calls:
                     yield sse(fmt.delta(tool_calls=calls))
-                yield sse(fmt.delta(finish=payload.finish_reason))
+                # the timings go in the stream's last chunk (llama.cpp's place for them)
+                timings = {"timings": payload.timings} if payload.timings is not None else {}
+                yield sse({**fmt.delta(finish=payload.finish_reason), **({} if include_usage else timings)})
                 if include_usage:
-                    yield sse({**fmt.extra(), "usage": payload.usage})
+                    yield sse({**fmt.extra(), "usage": payload.usage, **timings})
                 yield "data: [DONE]\n\n"
                 return
             elif what == "error":

@@ -55,6 +55,7 @@ class Job:
     answered: bool = False  # the result was emitted (the worker may still be committing the cache)
     started: float = 0.0  # perf_counter when the worker took it
     tools: list[dict[str, Any]] | None = None  # declared to the template; the answer's calls are parsed
+    logprobs: int | None = None  # report the answer's log-probabilities, with this many top tokens each
 
     def emit(self, kind: str, payload: Any = None) -> None:
         try:
@@ -148,6 +149,56 @@ def plain_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
     turns ending with the user's."""
     return not tools and messages[-1]["role"] == "user" and \
         all(m["role"] in ("system", "user", "assistant") and not m.get("tool_calls") for m in messages)
+
+
+class Timings:
+    """One answer's clock, from its events: llama.cpp's ``timings`` (prompt_n, prompt_ms,
+    predicted_n, predicted_ms and their rates) with the ``diffusion`` part its DiffusionGemma
+    server adds (blocks, steps, canvas tokens, ms per step, canvas tokens per second)."""
+
+    def __init__(self, canvas: int):
+        self.canvas = canvas
+        self.prefill_s = 0.0
+        self.t_gen: float | None = None  # when the prompt was encoded (generation starts)
+        self.steps = 0
+        self.step_seconds = 0.0
+        self.steps_per_block: list[int] = []
+
+    def prefilled(self, seconds: float) -> None:
+        self.prefill_s, self.t_gen = seconds, time.perf_counter()
+
+    def step(self, seconds: float) -> None:
+        self.steps += 1
+        self.step_seconds += seconds
+
+    def block(self, steps: int) -> None:
+        self.steps_per_block.append(steps)
+
+    def timings(self, cached: int, prompt_n: int, predicted_n: int) -> dict[str, Any]:
+        """The ``timings`` object: ``prompt_n`` tokens encoded (``cache_n`` taken from the cache),
+        ``predicted_n`` answer tokens (usage's completion_tokens) from the prompt's end to now."""
+        prompt_ms = 1000 * self.prefill_s
+        predicted_ms = 1000 * (time.perf_counter() - self.t_gen) if self.t_gen is not None else 0.0
+
+        def per_token(ms: float, n: int) -> float | None:
+            return round(ms / n, 3) if n else None
+
+        def per_second(ms: float, n: int) -> float | None:
+            return round(1000 * n / ms, 2) if ms > 0 else None
+
+        ms_step = 1000 * self.step_seconds / self.steps if self.steps else None
+        return {"cache_n": cached, "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
+                "prompt_per_token_ms": per_token(prompt_ms, prompt_n),
+                "prompt_per_second": per_second(prompt_ms, prompt_n),
+                "predicted_n": predicted_n, "predicted_ms": round(predicted_ms, 3),
+                "predicted_per_token_ms": per_token(predicted_ms, predicted_n),
+                "predicted_per_second": per_second(predicted_ms, predicted_n),
+                "diffusion": {"blocks": len(self.steps_per_block), "steps": self.steps,
+                              "steps_per_block": list(self.steps_per_block), "canvas_tokens": self.canvas,
+                              "ms_per_step": round(ms_step, 3) if ms_step is not None else None,
+                              # tokens the decoder denoised per second: a canvas per step
+                              "canvas_tokens_per_second": per_second(1000 * self.step_seconds,
+                                                                     self.canvas * self.steps)}}
 
 
 @dataclass
@@ -450,8 +501,13 @@ class Engine:
 
         return check
 
+    @staticmethod
+    def _core_params(job: Job) -> dict[str, Any]:
+        """The job's parameters for the core: the sampler's, and ``logprobs`` only when asked."""
+        return {**job.params, "logprobs": job.logprobs} if job.logprobs is not None else job.params
+
     def _run_completion(self, job: Job) -> None:
-        events = self.runtime.generate(job.prompt, chat=False, cancel=self._cancelled(job), **job.params)
+        events = self.runtime.generate(job.prompt, chat=False, cancel=self._cancelled(job), **self._core_params(job))
         self._consume(job, events, lambda: 0)
 
     def _run_chat(self, job: Job) -> None:
@@ -461,7 +517,8 @@ class Engine:
             self._session = None
             text = render_chat(job.prompt, self.template(job.prompt, job.tools), enable_thinking=job.enable_thinking,
                                tools=job.tools)
-            events = rt.generate(self.tokenizer.encode(text), chat=False, cancel=self._cancelled(job), **job.params)
+            events = rt.generate(self.tokenizer.encode(text), chat=False, cancel=self._cancelled(job),
+                                 **self._core_params(job))
             self._consume(job, events, lambda: 0)
             return
         earlier, user = job.prompt[:-1], job.prompt[-1]["content"]
@@ -472,8 +529,8 @@ class Engine:
         # The session reuses its cache only where its tokens are a prefix of this conversation's
         # fresh render (another client's conversation, an edited answer: encoded afresh), so the
         # answer never depends on what came before this request.
-        result, clean = self._consume(job, rt.chat(user, cancel=self._cancelled(job), messages=earlier, **job.params),
-                                      lambda: s.cached_tokens)
+        result, clean = self._consume(job, rt.chat(user, cancel=self._cancelled(job), messages=earlier,
+                                                   **self._core_params(job)), lambda: s.cached_tokens)
         if clean and result is not None:
             self._session = s
 
@@ -482,16 +539,22 @@ class Engine:
         soon as the last block is committed: the client does not wait for the cache commit
         that follows it (that is for the next turn). Returns the result (None if cancelled)
         and whether the generator ran to its end."""
-        from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
+        from mlx_dgemma.events import BlockEvent, PrefillEvent, StepEvent
         from mlx_dgemma.sampler import SamplerParams
 
         eos = SamplerParams.from_config(self.generation_config, **job.params).eos_token_id  # as the core reads it
         answer = Answer(self.tokenizer, eos, job.max_tokens, job.stop, self.markers, tools=bool(job.tools))
         n_blocks = self.blocks_tokens(self.max_new_tokens(job.params)) // self.canvas
-        done: Any = None
         result: Result | None = None
         prefill = 0
         clean = True
+        clock = Timings(self.canvas)
+        entries: list[dict[str, Any]] = []  # with logprobs: one per generated token, in order
+
+        def logprobs() -> tuple[dict[str, Any], ...] | None:
+            """The counted tokens' entries (as many as completion_tokens: a stop cut, max_tokens
+            and the padding after EOS leave out the same tokens)."""
+            return tuple(entries[:answer.completion_tokens]) if job.logprobs is not None else None
 
         def finish() -> Result:
             cached = cached_tokens()  # known once the generation has started
@@ -506,7 +569,8 @@ class Engine:
             self.totals["completion_tokens"] += answer.completion_tokens
             job.stats.update(prompt=cached + prefill, cached=cached, completion=answer.completion_tokens,
                              reasoning=answer.reasoning_tokens, finish=answer.finish_reason)
-            r = Result(answer.content, answer.reasoning, answer.finish_reason, usage, tuple(answer.tool_calls))
+            r = Result(answer.content, answer.reasoning, answer.finish_reason, usage, tuple(answer.tool_calls),
+                       logprobs(), clock.timings(cached, prefill, answer.completion_tokens))
             job.stats["answer_s"] = round(time.perf_counter() - job.started, 4)
             job.answered = True
             job.emit("done", r)
@@ -514,14 +578,19 @@ class Engine:
 
         for ev in events:
             if isinstance(ev, StepEvent):
+                clock.step(ev.seconds)
                 if job.stream_steps:
                     job.emit("step", self._step_payload(ev))
             elif isinstance(ev, BlockEvent):
+                clock.block(ev.steps)
                 answer.add(ev.tokens, ev.text, ev.thinking)
+                if job.logprobs is not None and ev.logprobs is not None:
+                    entries += [self._logprob_entry(t, lp, ids, lps) for t, lp, ids, lps in
+                                zip(ev.tokens, ev.logprobs.tolist(), ev.top_ids.tolist(), ev.top_logprobs.tolist())]
                 if job.stream_steps:
                     job.emit("step", {"type": "block", "block": ev.block, "steps": ev.steps, "finished": ev.finished})
                 # a snapshot: the worker goes on mutating answer
-                job.emit("text", (*answer.streamable(), tuple(answer.tool_calls)))
+                job.emit("text", (*answer.streamable(), tuple(answer.tool_calls), logprobs()))
                 last = ev.finished or ev.block >= n_blocks  # blocks count from 1
                 if (answer.stop_hit or answer.eos) and not last:  # a stop string, or a call's end
                     clean = False  # a stop string: no need for more blocks
@@ -531,15 +600,17 @@ class Engine:
                     result = finish()
             elif isinstance(ev, PrefillEvent):
                 prefill = ev.tokens
+                clock.prefilled(ev.seconds)
                 job.stats.update(prefill=ev.tokens, prefill_s=round(ev.seconds, 4))
-            elif isinstance(ev, DoneEvent):
-                done = ev
         if not clean:
             getattr(events, "close", lambda: None)()  # ends the core's generator at its current yield
-        if done is not None:
-            self.totals["steps"] += done.steps
-            job.stats.update(steps=done.steps, s_per_step=round(done.seconds_per_step, 4),
-                             tok_per_fwd=round(done.tokens_per_forward, 2))
+        # the log line and /metrics read the same clock as the answer's timings (the core's DoneEvent
+        # never comes when a stop string ends the generator early)
+        self.totals["steps"] += clock.steps
+        job.stats["steps"] = clock.steps
+        if clock.steps:
+            job.stats.update(s_per_step=round(clock.step_seconds / clock.steps, 4),
+                             tok_per_fwd=round(answer.completion_tokens / clock.steps, 2))
         if result is None and job.stats.get("timeout") and not job.cancel.is_set():
             result = finish()  # --max-request-seconds: what is committed, finish_reason "length"
             clean = False
@@ -549,6 +620,20 @@ class Engine:
             job.emit(*(("error", self._shutdown_error()) if self.stopping else ("done", None)))
             return None, False
         return result, clean
+
+    def _token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """A token as OpenAI's logprobs show it: its text and its UTF-8 bytes (a byte that is not
+        a whole character on its own is written ``\\xNN`` in the text; the bytes are exact)."""
+        b = self.tokenizer.token_bytes(token_id)
+        return b.decode("utf-8", "backslashreplace"), list(b)
+
+    def _logprob_entry(self, token_id: int, logprob: float, top_ids: list[int], top_lps: list[float]) -> dict[str, Any]:
+        text, raw = self._token_text(token_id)
+        top = []
+        for t, lp in zip(top_ids, top_lps):
+            tt, tb = self._token_text(t)
+            top.append({"token": tt, "logprob": lp, "bytes": tb})
+        return {"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": top}
 
     def _step_payload(self, ev: Any) -> dict[str, Any]:
         tok = self.tokenizer

@@ -175,6 +175,9 @@ class Result:
     finish_reason: str
     usage: dict[str, Any]
     tool_calls: tuple[ToolCall, ...] = ()
+    # with logprobs: one entry per counted token ({token, logprob, bytes, top_logprobs}), else None
+    logprobs: tuple[dict[str, Any], ...] | None = None
+    timings: dict[str, Any] | None = None  # llama.cpp's shape, with its "diffusion" part
 
 
 class Formatter:
@@ -182,6 +185,7 @@ class Formatter:
 
     def __init__(self, kind: str, model: str):
         self.kind, self.model = kind, model
+        self.text_offset = 0  # text completions' logprobs: where the next token starts in the answer
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if kind == "chat" else "text_completion"
@@ -207,13 +211,35 @@ class Formatter:
                 message["tool_calls"] = [self.tool_call(i, c) for i, c in enumerate(r.tool_calls)]
             if r.reasoning:
                 message["reasoning_content"] = r.reasoning
-            choice = {"index": 0, "message": message, "finish_reason": r.finish_reason, "logprobs": None}
+            choice = {"index": 0, "message": message, "finish_reason": r.finish_reason,
+                      "logprobs": self.logprobs(r.logprobs)}
         else:
-            choice = {"index": 0, "text": r.content, "finish_reason": r.finish_reason, "logprobs": None}
-        return {**self._base(False), "choices": [choice], "usage": r.usage}
+            choice = {"index": 0, "text": r.content, "finish_reason": r.finish_reason,
+                      "logprobs": self.logprobs(r.logprobs)}
+        out = {**self._base(False), "choices": [choice], "usage": r.usage}
+        if r.timings is not None:
+            out["timings"] = r.timings
+        return out
+
+    def logprobs(self, entries: Any) -> dict[str, Any] | None:
+        """A choice's ``logprobs`` for ``entries`` (None: not asked). Chat: ``{"content": [...]}``;
+        a text completion: the legacy columns (``tokens``, ``token_logprobs``, ``top_logprobs``
+        as {token: logprob} and ``text_offset``, counted on from the entries sent before)."""
+        if entries is None:
+            return None
+        if self.kind == "chat":
+            return {"content": list(entries), "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}
 
     def delta(self, content: str = "", reasoning: str = "", finish: str | None = None,
-              role: bool = False, tool_calls: list[tuple[int, ToolCall]] | None = None) -> dict[str, Any]:
+              role: bool = False, tool_calls: list[tuple[int, ToolCall]] | None = None,
+              logprobs: Any = None) -> dict[str, Any]:
         if self.kind == "chat":
             d: dict[str, Any] = {"role": "assistant"} if role else {}
             if content or role:
@@ -222,9 +248,9 @@ class Formatter:
                 d["reasoning_content"] = reasoning
             if tool_calls:
                 d["tool_calls"] = [self.tool_call(i, c, stream=True) for i, c in tool_calls]
-            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": self.logprobs(logprobs)}
         else:
-            choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": self.logprobs(logprobs)}
         return {**self._base(True), "choices": [choice]}
 
     def extra(self, **fields: Any) -> dict[str, Any]:

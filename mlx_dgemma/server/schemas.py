@@ -161,6 +161,8 @@ class ChatRequest(Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Any = None
+    logprobs: bool | None = None  # the answer's tokens' log-probabilities
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # and this many most likely tokens each (with logprobs)
 
     @field_validator("tool_choice")
     @classmethod
@@ -181,6 +183,18 @@ class ChatRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: Any
+    logprobs: int | None = Field(None, ge=0, le=5)  # the legacy API's: log-probabilities with this many top tokens
+    echo: bool | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v: bool | None) -> bool | None:
+        """The prompt is encoded, not predicted (the diffusion model scores no prompt token), so it
+        cannot be echoed with log-probabilities; refused rather than ignored."""
+        if v:
+            raise ValueError("true is not supported: this server does not echo the prompt (the diffusion model "
+                             "gives its tokens no log-probabilities); leave echo out and prepend the prompt yourself")
+        return v
 
     @field_validator("prompt")
     @classmethod
