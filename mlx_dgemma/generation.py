@@ -53,8 +53,9 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
     Each step is one compiled graph and one device sync; only the canvas, draft, accepted
     mask and entropies ([C] each) reach the host, never the [C, V] logits. With ``logprobs``
     (k >= 0) the committed tokens' log-probabilities and the top k are computed once, after the
-    stopping step, from that step's temperature-scaled logits (the step's own output, so the
-    compiled step is the same with or without them).
+    stopping step, from that step's logits (the model's distribution at temperature 1, recovered
+    from the step's own temperature-scaled output, so the compiled step is the same with or
+    without them).
     """
     C, V = model.args.canvas_length, model.args.vocab_size
     step_fn = step_fn or StepFunction.shared(model, params, dtype)
@@ -86,8 +87,11 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
         if stopped:
             break
     lp = None
-    if logprobs is not None:  # sc_logits: the committing step's logits / its temperature
-        arrays = token_logprobs(sc_logits, argmax, logprobs)
+    if logprobs is not None:
+        # sc_logits is the committing step's logits / its temperature; the model's own distribution
+        # is reported (as OpenAI's and llama.cpp's log-probabilities are, whatever the temperature):
+        # late in the schedule (t = 0.05 on the demo) the tempered one puts ~0 on every chosen token
+        arrays = token_logprobs(sc_logits * temp, argmax, logprobs)
         mx.eval(*arrays)
         lp = tuple(np.array(a[0]) for a in arrays)
     yield BlockResult(np.array(argmax[0]).astype(np.int64).tolist(), i, lp)
@@ -210,7 +214,7 @@ def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | l
 
     ``logprobs`` (an integer k >= 0; None, the default, costs nothing): each BlockEvent carries
     its tokens' log-probabilities and the k most likely tokens per position, under the
-    distribution of the step that committed the block (its temperature-scaled logits).
+    distribution of the step that committed the block (its logits at temperature 1).
     """
     p = SamplerParams.from_config(_model_defaults(model, generation_config), **params)
     if isinstance(prompt, str):

@@ -136,8 +136,7 @@ def sample_step(raw_logits: mx.array, temp: float | mx.array, bound: float, voca
 
 
 def token_logprobs(processed: mx.array, tokens: mx.array, top: int = 0) -> tuple[mx.array, mx.array, mx.array]:
-    """Log-probabilities under softmax(``processed``) (a step's temperature-scaled logits [B, C, V],
-    the distribution that step's sampler used): of ``tokens`` [B, C] and of the ``top`` most likely
+    """Log-probabilities under softmax(``processed``) (a step's logits [B, C, V]): of ``tokens`` [B, C] and of the ``top`` most likely
     tokens per position, most likely first (ids [B, C, top], log-probabilities [B, C, top]).
 
     Not part of the compiled step: ``denoise_block`` calls it once per block, on the committing
