@@ -46,17 +46,19 @@ class SamplerParams(SamplerDefaults):
 
     def with_overrides(self, **kw: Any) -> "SamplerParams":
         p = replace(self, **{k: v for k, v in kw.items() if v is not None})
-        p.validate()
+        p.validate(defaults=self)
         return p
 
-    def validate(self) -> None:
-        """Check every field (types, finite ranges) and the schedule; ParameterError names the field."""
+    def validate(self, defaults: "SamplerParams | None" = None) -> None:
+        """Check every field (types, finite ranges) and the schedule; ParameterError names the field.
+        ``defaults`` (the values before a caller's overrides) are quoted in the schedule's error."""
         for f in fields(self):
             check_field(f.name, getattr(self, f.name))
         if not self.t_max > self.t_min:
+            # the model's own defaults, not the reference's (the demo's are 0.05 and 0.25)
+            quoted = f" (this model's defaults are {defaults.t_min} and {defaults.t_max})" if defaults else ""
             raise ParameterError(f"t_min = {self.t_min!r}, t_max = {self.t_max!r}: the schedule needs "
-                                 "0 < t_min < t_max (defaults 0.4 and 0.8)", param="t_max",
-                                 rule="greater than t_min")
+                                 f"0 < t_min < t_max{quoted}", param="t_max", rule="greater than t_min")
 
     def check_model(self, vocab_size: int) -> None:
         """Checks that need the model: ``sc_top_k`` at most the vocabulary."""

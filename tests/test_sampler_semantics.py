@@ -125,3 +125,15 @@ def test_eos_padding_matches_reference(seed):
         ids, torch.zeros(1, dtype=torch.bool), cfg, crit, C, torch.tensor([1, 106, 50]))
     assert ours == ref_ids[0, 2:].tolist()
     assert finished == bool(ref_finished[0])
+
+
+def test_schedule_error_quotes_the_models_defaults_not_the_references():
+    """A crossed schedule names the values the caller overrode (the demo's 0.05/0.25 here), never
+    the reference's 0.4/0.8 whatever the model."""
+    from mlx_dgemma.errors import ParameterError
+
+    model = SamplerParams(t_min=0.05, t_max=0.25)
+    with pytest.raises(ParameterError) as e:
+        model.with_overrides(t_min=0.9)
+    assert "this model's defaults are 0.05 and 0.25" in str(e.value) and e.value.param == "t_max"
+    assert "0.4" not in str(e.value) and "0.8" not in str(e.value)
