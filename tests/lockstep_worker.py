@@ -38,8 +38,7 @@ def turn(rt: ModelRuntime, text: str, cancel_after: int | None = None, leave_aft
 
 
 def run() -> list[dict]:
-    model, tokenizer = open_model(None, True, "auto", None)  # as the chat app's backend loads it
-    rt = ModelRuntime(model, tokenizer)
+    rt = ModelRuntime(open_model(None, True, "auto", None))  # as the chat app's backend loads it
     if not rt.leader:
         rt.follow()
         return []

@@ -101,8 +101,10 @@ def test_cli_convert_verify_force(tmp_path, tiny_gguf, capsys):
 def test_gguf_loads_in_memory_like_the_converted_directory(all_types_gguf, all_types_model_dir):
     from mlx_dgemma import load
 
-    a, tok_a = load(all_types_gguf)
-    b, tok_b = load(all_types_model_dir)
+    rt = load(all_types_gguf)
+    a, tok_a = rt.model, rt.tokenizer
+    rt = load(all_types_model_dir)
+    b, tok_b = rt.model, rt.tokenizer
     prompt = mx.array([list(range(5, 30))], dtype=mx.int32)
     canvas = mx.array([list(range(100, 132))], dtype=mx.int32)
     outs = []
