@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .errors import ParameterError
 from .model import DiffusionGemma
 from .precision import Precision
 from .sampler import SamplerParams
@@ -41,6 +42,11 @@ class Runtime:
     demo_kind: str | None = None  # "trained" | "random" for the built-in demo; None for a real model
     # the compiled steps traced for this model, by traced sampler fields and dtype (:meth:`step`)
     steps: dict[tuple, StepFunction] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model.activation_dtype != self.precision.dtype:  # apply_precision sets both
+            raise ParameterError(f"precision: {self.precision.label} does not match the model's activations "
+                                 f"({self.model.activation_dtype}); pass the precision the model was put in")
 
     @property
     def is_demo(self) -> bool:

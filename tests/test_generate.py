@@ -108,6 +108,7 @@ class EosModel:
     empty cache)."""
 
     group = None
+    activation_dtype = mx.float32
 
     def __init__(self, C=16, V=200):
         self.args = layerless_args(C, V)

@@ -149,8 +149,9 @@ def test_real_q6k_blocks_requantize_within_the_formats_step(gemma3_reader):
     """Our re-quantizer (``tiers.requantize``, what fast and ``convert --precision`` store) on real
     llama.cpp Q6_K data (Gemma 3 270M), its output read back by MLX's own ``dequantize``: every
     group of 32 errs by no more than rounding to the 8-bit grid of that group's range allows
-    (half a step, plus the float16 rounding of its scale and bias), bounds taken from the
-    format, not from a measurement of ours."""
+    (half a step, plus the float16 rounding of its scale and bias) and the whole tensor by no
+    more than uniform rounding on those grids (step^2 / 12): bounds taken from the format, not
+    from a measurement of ours."""
     from gguf.quants import dequantize as gguf_dequantize
 
     from mlx_dgemma.tiers import FAST_BITS, FAST_GROUP, Target, requantize
@@ -171,6 +172,9 @@ def test_real_q6k_blocks_requantize_within_the_formats_step(gemma3_reader):
     per_element = half_step + (np.abs(lo) + (hi - lo)) * fp16
     # least-squares refits may move single values past half a step, never a group's squared error
     assert np.all((e * e).sum(-1) <= FAST_GROUP * per_element**2 * (1 + 1e-6))
+    # and over the ~20k groups, no more than rounding to each group's grid costs on average
+    # (uniform rounding error: step^2 / 12; refits only lower it)
+    assert (e * e).sum() <= FAST_GROUP * ((2 * half_step) ** 2).sum() / 12
     assert np.abs(e).max() > 0  # a lossy form: the check above had something to bound
     assert r.max_abs_error == pytest.approx(float(np.abs(e).max()), rel=1e-6)  # its own report agrees
 
@@ -184,3 +188,12 @@ def test_exact_weights_stay_quantized(tiny_model_dir):
     stored = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
     in_memory = sum(v.nbytes for v in params.values())
     assert in_memory <= stored  # nothing expanded at load time
+
+
+def test_a_runtime_refuses_a_precision_its_model_is_not_in(tiny_model_dir):
+    from mlx_dgemma.runtime import Runtime
+
+    rt = load(tiny_model_dir, precision="fast", dtype="bfloat16")
+    assert rt.activation_dtype == rt.model.activation_dtype == mx.bfloat16
+    with pytest.raises(ParameterError, match="does not match the model's activations"):
+        Runtime(rt.model, rt.tokenizer)  # the default, exact (float32), claimed for bfloat16 activations
