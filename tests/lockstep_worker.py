@@ -49,7 +49,7 @@ def run() -> list[dict]:
            turn(rt, "Tell me of Egypt.", leave_after=3)]
     rt.new_chat(enable_thinking=False, system="Answer in the words of the King James Bible.")
     out.append(turn(rt, "Who was Moses?", seed=3))
-    out.append({"ranks": distributed.size_of(model.group)})
+    out.append({"ranks": distributed.size_of(rt.runtime.group)})
     rt.shutdown()
     return out
 
