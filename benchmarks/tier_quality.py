@@ -41,7 +41,8 @@ def main() -> int:
         exact = load(path, precision="exact")
         tok = exact.tokenizer
         if model == "demo Q4_K_M":  # the yardstick: what the Q4_K_M file itself changes
-            rows.append({"model": "Q4_K_M vs Q8_0", "precision": "(yardstick)", **step_agreement(original.model, exact.model, tok),
+            rows.append({"model": "Q4_K_M vs Q8_0", "precision": "(yardstick)",
+                         **step_agreement(original.model, exact.model, tok),
                          **block_agreement(original, exact, prompts=a.prompts, gen_steps=a.steps)})
         for p in ("fast", "q4", "q3"):
             other = load(path, precision=p)

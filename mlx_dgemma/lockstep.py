@@ -128,7 +128,8 @@ class ModelRuntime:
     def _new_chat(self, op: dict[str, Any]) -> None:
         from .generation import ChatSession
 
-        self.session = ChatSession(self.runtime, self.generation_config, enable_thinking=bool(op.get("enable_thinking")), system=op.get("system"))
+        self.session = ChatSession(self.runtime, self.generation_config,
+                                   enable_thinking=bool(op.get("enable_thinking")), system=op.get("system"))
         if op.get("messages") is not None:
             self.session.messages = [dict(m) for m in op["messages"]]
 

@@ -5,6 +5,7 @@ only ``denoise`` (and the prefill calls) are scripted."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_dgemma.cache import KVCache
 from mlx_dgemma.schema import ModelArgs
@@ -34,8 +35,6 @@ class ScriptedDecoder:
         return KVCache(self.args)
 
     def denoise(self, canvas, cache, sc, dtype=None, sc_top_k=None):
-        import numpy as np
-
         self.sc_inputs.append(None if sc is None else np.array(sc))
         out = mx.array(self.logits[self.calls])
         self.calls += 1

@@ -105,7 +105,8 @@ class ModelBackend:
 
         self.system = system or None
         if self.runtime is not None:  # the system prompt opens the cache: a new session, not an edit
-            self.session = ChatSession(self.runtime, self.generation_config, enable_thinking=self.session.enable_thinking, system=self.system)
+            self.session = ChatSession(self.runtime, self.generation_config,
+                                       enable_thinking=self.session.enable_thinking, system=self.system)
 
     def piece(self, token_id: int) -> str:
         return self.tokenizer.piece(token_id) if self.tokenizer else str(token_id)

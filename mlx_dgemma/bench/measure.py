@@ -63,7 +63,8 @@ def measure_ours(model_dir: str, prompt_len: int, warmup: int, steps: int, sc_to
                            "first_step_seconds": first_step_s}
     if eager:  # before/after: the same step without mx.compile, and the decoder pass alone
         res["seconds_per_step_eager"] = statistics.median(
-            sync_time(whole(StepFunction(model, p, prec.dtype, compile=False, precision_sc_top_k=prec.sc_top_k)), warmup, steps))
+            sync_time(whole(StepFunction(model, p, prec.dtype, compile=False, precision_sc_top_k=prec.sc_top_k)),
+                      warmup, steps))
         res["seconds_decoder_only"] = statistics.median(sync_time(decoder, warmup, steps))
     return {**res,
             "prefill_tokens_per_second": prompt_len / prefill_s,
