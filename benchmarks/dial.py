@@ -77,11 +77,12 @@ def word_share(texts: list[str], words: set[str] | None) -> tuple[int, int]:
     return (sum(w in words for w in ws) if words is not None else -1), len(ws)
 
 
-def one(model, tok, text: str, seed: int, overrides: dict) -> dict:
-    eos = SamplerParams.from_config(model.generation_config, **overrides).eos_token_id
+def one(rt, text: str, seed: int, overrides: dict) -> dict:
+    tok = rt.tokenizer
+    eos = SamplerParams.from_config(rt.generation_config, **overrides).eos_token_id
     t0 = time.perf_counter()
     done = prefill = None
-    for ev in stream_generate(model, tok, _prompt_ids(tok, text), seed=seed, **overrides):
+    for ev in stream_generate(rt, _prompt_ids(tok, text), seed=seed, **overrides):
         if isinstance(ev, PrefillEvent):
             prefill = ev.seconds
         if isinstance(ev, DoneEvent):
@@ -97,16 +98,16 @@ def match_ratio(a: list[int], b: list[int]) -> tuple[int, int]:
 
 
 def dial(args: argparse.Namespace) -> dict:
-    model, tok = load(demo_file())
+    rt = load(demo_file())
     words = corpus_words()
     prompts = list(PROMPTS[: args.prompts])
     settings = {k: v for k, v in SETTINGS.items() if not args.only or k in args.only.split(";")}
     for ov in settings.values():  # trace each setting's step once, untimed
-        one(model, tok, WARMUP_PROMPT, 0, ov)
+        one(rt, WARMUP_PROMPT, 0, ov)
     runs: dict[str, list[dict]] = {k: [] for k in settings}
     for i, text in enumerate(prompts):
         for name, ov in settings.items():
-            r = one(model, tok, text, i, ov)
+            r = one(rt, text, i, ov)
             runs[name].append(r)
             print(f"[dial] {i} {name}: {len(r['ids'])} tok, steps {r['steps_per_block']}, {r['wall_s']:.1f} s: "
                   f"{r['text'][:60]!r}", file=sys.stderr, flush=True)
@@ -126,7 +127,7 @@ def dial(args: argparse.Namespace) -> dict:
                       "corpus_words": known, "words": n_words,
                       "corpus_word_share": known / n_words if words is not None and n_words else None,
                       "answers": [r["text"] for r in rs]}
-    return {"machine": machine(), "model": str(demo_file()), "precision": model.precision.label,
+    return {"machine": machine(), "model": str(demo_file()), "precision": rt.precision.label,
             "prompts": prompts, "rows": rows}
 
 
@@ -145,10 +146,11 @@ def dial_table(res: dict) -> str:
 
 
 def sc(args: argparse.Namespace) -> dict:
-    model, tok = load(demo_file())
+    rt = load(demo_file())
+    model, tok = rt.model, rt.tokenizer
     ks = [int(k) for k in args.ks.split(",")]
-    p = SamplerParams.from_config(model.generation_config)
-    step_fn = StepFunction.shared(model, p)
+    p = SamplerParams.from_config(rt.generation_config)
+    step_fn = rt.step(p)
     C, V = model.args.canvas_length, model.args.vocab_size
     stats = {k: {"conf_agree": 0, "conf_n": 0, "all_agree": 0, "all_n": 0, "max_rel_err": 0.0} for k in ks}
     t_exact, t_k = [], {k: [] for k in ks}
@@ -194,7 +196,7 @@ def sc(args: argparse.Namespace) -> dict:
     words = corpus_words()
     answers = {}
     for k in [None] + ks:
-        rs = [one(model, tok, text, i, {"sc_top_k": k} if k else {}) for i, text in enumerate(PROMPTS[: args.prompts])]
+        rs = [one(rt, text, i, {"sc_top_k": k} if k else {}) for i, text in enumerate(PROMPTS[: args.prompts])]
         answers[k] = rs
     rows = []
     for k in ks:
@@ -210,7 +212,7 @@ def sc(args: argparse.Namespace) -> dict:
                      "identical_answers": sum(a["ids"] == b["ids"] for a, b in zip(answers[k], answers[None])),
                      "corpus_word_share": known / n_words if words is not None and n_words else None})
     known, n_words = word_share([r["text"] for r in answers[None]], words)
-    return {"machine": machine(), "model": str(demo_file()), "precision": model.precision.label,
+    return {"machine": machine(), "model": str(demo_file()), "precision": rt.precision.label,
             "vocab_size": V, "prompts": args.prompts, "exact_median_decoder_pass_s": statistics.median(t_exact),
             "exact_corpus_word_share": known / n_words if words is not None and n_words else None, "rows": rows}
 

@@ -67,7 +67,8 @@ def worker(model_dir: str, steps: int, prompt_len: int, precision: str, out: str
 
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    model, _ = load(model_dir, precision=precision)
+    runtime = load(model_dir, precision=precision)
+    model = runtime.model
     load_s = time.perf_counter() - t0
     weights = mx.get_active_memory()
     load_peak = mx.get_peak_memory()
@@ -79,7 +80,7 @@ def worker(model_dir: str, steps: int, prompt_len: int, precision: str, out: str
     model.prefill(mx.array(rng.integers(0, a.vocab_size, (1, prompt_len)), dtype=mx.int32), cache)
     canvas = mx.array(rng.integers(0, a.vocab_size, (1, a.canvas_length)), dtype=mx.int32)
     params = SamplerParams.from_config(None)
-    step = StepFunction(model, params)
+    step = runtime.step(params)
     hist = step.initial_history((1, a.canvas_length))
     key = mx.random.key(0)
 
@@ -101,7 +102,8 @@ def worker(model_dir: str, steps: int, prompt_len: int, precision: str, out: str
     comm = []
     comm_s = 0.0
     if group is not None:
-        eager = StepFunction(model, params, compile=False)
+        eager = StepFunction(model, params, runtime.activation_dtype, compile=False,
+                             precision_sc_top_k=runtime.precision.sc_top_k)
         comm = _record_collectives(lambda: mx.eval(eager(canvas, sc, 0.6, key, hist, cache)["canvas"]))
         fns = {"all_sum": mx.distributed.all_sum, "all_max": mx.distributed.all_max,
                "all_gather": mx.distributed.all_gather}

@@ -274,8 +274,9 @@ def measure_load(path: str, precision: str, prefill_tokens: int = 0, canvas: int
     t0 = time.perf_counter()
     # the benchmark's own watchdog guards the machine: the loader's memory plan must not choose or
     # refuse the precision being measured
-    model, _ = load(path, precision=precision, memory_limit=1 << 50)
-    res: dict[str, Any] = {"impl": f"load {Path(path).name} {precision}", "precision": model.precision.label,
+    runtime = load(path, precision=precision, memory_limit=1 << 50)
+    model = runtime.model
+    res: dict[str, Any] = {"impl": f"load {Path(path).name} {precision}", "precision": runtime.precision.label,
                            "load_seconds": time.perf_counter() - t0, "resident_bytes": _rss_now(),
                            "mlx_active_bytes": int(mx.get_active_memory()), "load_peak_rss_bytes": _peak()}
     print(f"  loaded {path} ({precision}) in {res['load_seconds']:.0f} s, RSS {res['resident_bytes'] / GB:.2f} GB, "

@@ -38,13 +38,13 @@ def main() -> int:
     rows = []
     for name in args.models.split(","):
         path = model_path(name, Path(args.workdir))
-        exact, tok = load(path, precision="exact")
+        exact = load(path, precision="exact")
         for dt in args.dtypes.split(","):
             t0 = time.perf_counter()
-            fast, _ = load(path, precision="fast", dtype=dt)
+            fast = load(path, precision="fast", dtype=dt)
             row = {"model": name, "fast": fast.precision.label,
-                   **logit_agreement(exact, fast, prompt_len=64),
-                   **block_agreement(exact, fast, tok, prompts=args.prompts, gen_steps=args.steps)}
+                   **logit_agreement(exact.model, fast.model, prompt_len=64),
+                   **block_agreement(exact, fast, prompts=args.prompts, gen_steps=args.steps)}
             row["seconds"] = time.perf_counter() - t0
             rows.append(row)
             print(f"[quality] {name} {row['fast']}: done in {row['seconds']:.0f} s", file=sys.stderr)

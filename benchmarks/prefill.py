@@ -41,7 +41,7 @@ def measure_ours(model_dir: str, n: int, chunk: int) -> dict:
     from mlx_dgemma import load
     from mlx_dgemma.memory import estimate_prefill
 
-    model, _ = load(model_dir)
+    model = load(model_dir).model
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     prompt = _prompt(model.args.vocab_size, n)
     model.prefill(prompt[:, :64], model.make_cache(), chunk_size=chunk)  # warm-up
@@ -105,7 +105,7 @@ def sample_ours(model_dir: str, depth: int, n: int, chunk: int) -> dict:
 
     from mlx_dgemma import load
 
-    model, _ = load(model_dir)
+    model = load(model_dir).model
     a = model.args
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     prompt = _prompt(a.vocab_size, n)

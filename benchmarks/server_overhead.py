@@ -113,18 +113,18 @@ def main() -> int:
         return load_main(args)
 
     from mlx_dgemma import ChatSession, stream_generate
-    from mlx_dgemma.demo import load_demo
-    from mlx_dgemma.generation import DoneEvent
+    from mlx_dgemma import load_demo
+    from mlx_dgemma.events import DoneEvent
 
     server = Server()
-    model, tok = load_demo()
-    cfg = model.generation_config
-    C = model.args.canvas_length
+    rt = load_demo()
+    cfg = rt.generation_config
+    C = rt.model.args.canvas_length
     params = dict(max_new_tokens=C, max_denoising_steps=args.steps)
 
     def direct_session(seed: int) -> tuple[float, str, int]:
         t0 = time.perf_counter()
-        s = ChatSession(model, tok, cfg)
+        s = ChatSession(rt, cfg)
         for ev in s.stream(PROMPT, seed=seed, **params):
             pass
         assert isinstance(ev, DoneEvent)
@@ -132,7 +132,7 @@ def main() -> int:
 
     def direct_generate(seed: int) -> float:
         t0 = time.perf_counter()
-        for ev in stream_generate(model, tok, PROMPT, generation_config=cfg, seed=seed, **params):
+        for ev in stream_generate(rt, PROMPT, generation_config=cfg, seed=seed, **params):
             pass
         return time.perf_counter() - t0
 

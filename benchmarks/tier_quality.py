@@ -36,16 +36,18 @@ def main() -> int:
         kq.parent.mkdir(parents=True, exist_ok=True)
         write_kquant_copy(demo_file("trained"), kq)
     rows = []
-    original, tok = load(demo_file("trained"), precision="exact")
+    original = load(demo_file("trained"), precision="exact")
     for model, path in (("demo Q8_0", demo_file("trained")), ("demo Q4_K_M", kq)):
-        exact, tok = load(path, precision="exact")
+        exact = load(path, precision="exact")
+        tok = exact.tokenizer
         if model == "demo Q4_K_M":  # the yardstick: what the Q4_K_M file itself changes
-            rows.append({"model": "Q4_K_M vs Q8_0", "precision": "(yardstick)", **step_agreement(original, exact, tok),
-                         **block_agreement(original, exact, tok, prompts=a.prompts, gen_steps=a.steps)})
+            rows.append({"model": "Q4_K_M vs Q8_0", "precision": "(yardstick)",
+                         **step_agreement(original.model, exact.model, tok),
+                         **block_agreement(original, exact, prompts=a.prompts, gen_steps=a.steps)})
         for p in ("fast", "q4", "q3"):
-            other, _ = load(path, precision=p)
-            row = {"model": model, "precision": other.precision.label, **step_agreement(exact, other, tok),
-                   **block_agreement(exact, other, tok, prompts=a.prompts, gen_steps=a.steps)}
+            other = load(path, precision=p)
+            row = {"model": model, "precision": other.precision.label, **step_agreement(exact.model, other.model, tok),
+                   **block_agreement(exact, other, prompts=a.prompts, gen_steps=a.steps)}
             rows.append(row)
             print(f"[tiers] {model} {p} done", file=sys.stderr)
     print(f"{'model':<16}{'precision':<16}{'top-1':>8}{'conf.':>8}{'SC top-1':>10}{'SC conf.':>10}{'max rel err':>13}"

@@ -1,8 +1,8 @@
 """mlx-dgemma: DiffusionGemma (block text diffusion, Gemma 4 MoE) on MLX, from GGUF files.
 
     from mlx_dgemma import load, generate
-    model, tokenizer = load("path/to/converted-dir-or-model.gguf")
-    print(generate(model, tokenizer, "Why is the sky blue?"))
+    runtime = load("path/to/converted-dir-or-model.gguf")  # model, tokenizer, defaults, precision
+    print(generate(runtime, "Why is the sky blue?"))
 """
 
 from __future__ import annotations
@@ -11,15 +11,19 @@ __version__ = "0.1.0"
 
 _EVENTS = ("StepEvent", "BlockEvent", "DoneEvent", "PrefillEvent", "PrefillProgressEvent", "Event")
 
-__all__ = ["load", "generate", "stream_generate", "ChatSession", *_EVENTS, "__version__"]
+__all__ = ["load", "load_demo", "generate", "stream_generate", "ChatSession", "Runtime", *_EVENTS, "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy: `import mlx_dgemma` stays cheap (the CLI's --help, the TUI's first paint).
-    if name == "load":
-        from .loader import load
+    if name in ("load", "load_demo"):
+        from . import loader
 
-        return load
+        return getattr(loader, name)
+    if name == "Runtime":
+        from .runtime import Runtime
+
+        return Runtime
     if name in ("generate", "stream_generate", "ChatSession"):
         from . import generation as g
 

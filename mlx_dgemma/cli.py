@@ -173,21 +173,22 @@ def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | Non
         SamplerParams.from_config(generation_config, **overrides)
     except ParameterError as e:
         flag = flags()  # generation parameter -> the flag that sets it (errors name what the user typed)
-        if e.name not in flag:
+        if e.param not in flag:
             raise
-        if e.name == "t_max" and "t_max" not in overrides:  # only --t-min was given: name it
+        if e.param == "t_max" and "t_max" not in overrides:  # only --t-min was given: name it
             t_max = SamplerParams.from_config(generation_config).t_max
             raise ParameterError(f"--t-min {overrides['t_min']}: must be below the first-step temperature "
                                  f"({t_max}); lower --t-min or raise --t-max") from None
         t_min = overrides.get("t_min", (generation_config or {}).get("t_min", SamplerParams.t_min))
         rule = {"sc_top_k": "an integer >= 1 (leave --sc-top-k out for exact self-conditioning)",
-                "t_max": f"above the final temperature (--t-min, {t_min})"}.get(e.name, e.rule)
-        raise ParameterError(f"{flag[e.name]} {overrides.get(e.name)}: must be {rule}") from None
+                "t_max": f"above the final temperature (--t-min, {t_min})"}.get(e.param, e.rule)
+        raise ParameterError(f"{flag[e.param]} {overrides.get(e.param)}: must be {rule}") from None
 
 
 def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precision: str = "auto",
                  memory_limit: int | None = None):
-    """(model, tokenizer) from --model or --demo (the core's ``open_model``), loading progress on stderr."""
+    """The :class:`~mlx_dgemma.runtime.Runtime` of --model or --demo (the core's ``open_model``), loading
+    progress on stderr."""
     from .loader import open_model
     from .progress import ProgressBar
 
@@ -286,26 +287,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from .plan import parse_size
         from .text import printable
     limit = parse_size(args.memory_limit) if args.memory_limit else None
-    model, tokenizer = load_for_cli(model_path, args.demo, args.dtype, args.precision, limit)
-    gen_cfg = getattr(model, "generation_config", None)
+    runtime = load_for_cli(model_path, args.demo, args.dtype, args.precision, limit)
+    model, tokenizer, gen_cfg = runtime.model, runtime.tokenizer, runtime.generation_config
     check_sampler_flags(overrides, gen_cfg)  # against the model's own defaults
-    if getattr(model, "is_demo", False) and not args.json:
+    if runtime.demo_kind is not None and not args.json:
         from .demo import DEMO_NOTICES
 
-        print(f"[demo] {DEMO_NOTICES[getattr(model, 'demo_kind', 'trained')]}", file=sys.stderr)
+        print(f"[demo] {DEMO_NOTICES[runtime.demo_kind]}", file=sys.stderr)
     printed = 0
     done: DoneEvent | None = None
     trace = None
     if args.trace:
         from dataclasses import asdict
 
-        from .generation import precision_label
         from .sampler import SamplerParams
         from .trace import Trace, trace_header
 
         settings = asdict(SamplerParams.from_config(gen_cfg, **overrides))
         trace = Trace(header=trace_header(args.prompt, settings, "demo model" if args.demo else str(args.model),
-                                          precision_label(model), seed=settings.pop("seed"),
+                                          runtime.precision.label, seed=settings.pop("seed"),
                                           thinking=args.think, raw=args.raw))
     with flag_errors(overrides):  # the flags against the model's config and vocabulary, before any work
         from .sampler import SamplerParams
@@ -320,7 +320,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         progress = StepLine(math.ceil(params.max_new_tokens / model.args.canvas_length))
     shared_tty = sys.stdout.isatty()
-    for ev in stream_generate(model, tokenizer, prompt, generation_config=gen_cfg,
+    for ev in stream_generate(runtime, prompt, generation_config=gen_cfg,
                               enable_thinking=args.think, chat=not args.raw, **overrides):
         if isinstance(ev, PrefillEvent) and not args.json:
             print(f"[prefill] {ev.tokens} tokens in {ev.seconds:.2f} s", file=sys.stderr)
@@ -612,9 +612,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help(sys.stderr)
             return 2  # a usage error, as any missing argument is
         args = parser.parse_args(argv)
-        from .launch import quiet_other_ranks
+        from .launch import launched, quiet_other_ranks
 
-        quiet_other_ranks(args.command)  # under mlx.launch rank 0 alone prints; chat refuses
+        quiet_other_ranks()  # under mlx.launch rank 0 alone prints
+        if args.command == "chat" and launched():
+            from .distributed import refuse_ranks  # MLX: only under a launcher
+
+            refuse_ranks("chat")  # the chat app runs in one process
         with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C
             code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at the interpreter's exit

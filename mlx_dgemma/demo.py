@@ -6,6 +6,9 @@
   real words denoising, offline. It is not DiffusionGemma's weights.
 * ``random``: random weights written once as a GGUF in the user's cache. Its text is noise;
   tests use its builder when they need arbitrary shapes.
+
+This module knows the demo's files; :func:`mlx_dgemma.loader.load_demo` (also
+``mlx_dgemma.load_demo``) loads them.
 """
 
 from __future__ import annotations
@@ -14,9 +17,8 @@ import os
 from importlib import resources
 from pathlib import Path
 
-import mlx.core as mx
-
 from .errors import ModelFilesError, ParameterError
+
 # Shown wherever the demo runs (CLI stderr, the chat app's banner): its output is not DiffusionGemma's.
 DEMO_NOTICES = {
     "trained": ("the built-in demo is a tiny model (9.9M parameters) trained on the King James Bible, "
@@ -72,14 +74,3 @@ def demo_file(kind: str = "trained") -> Path:
         raise ModelFilesError(f"{path}: the trained demo model is missing from the installed package; "
                               "reinstall mlx-dgemma (the wheel ships it), or use load_demo(kind='random')")
     return path
-
-
-def load_demo(dtype: mx.Dtype | str | None = None, kind: str = "trained", precision: str = "auto"):
-    """(model, tokenizer) of the demo model ``kind`` in runtime ``precision``; ``model.is_demo``
-    is True and ``model.demo_kind`` names the kind."""
-    from .loader import load
-
-    model, tokenizer = load(demo_file(kind), precision=precision, dtype=dtype)
-    object.__setattr__(model, "is_demo", True)
-    object.__setattr__(model, "demo_kind", kind)
-    return model, tokenizer

@@ -350,14 +350,16 @@ def fixed_input(args: Any, prompt_ids: Sequence[int], canvas: int, temperature: 
                      temperature, seed)
 
 
-def run_model(model: Any, inp: CaseInput, dtype: mx.Dtype, params: Any, compiled: bool) -> RunOutputs:
+def run_model(model: Any, inp: CaseInput, dtype: mx.Dtype, params: Any, compiled: bool,
+              sc_top_k: int | None = None) -> RunOutputs:
     """Prefill the prompt, then one denoising step (the model's StepFunction: decoder pass,
-    sampler, stopping rule) on the current stream; everything evaluated before returning."""
+    sampler, stopping rule; ``sc_top_k``: the precision's self-conditioning width) on the
+    current stream; everything evaluated before returning."""
     from .step import StepFunction
 
     cache = model.make_cache()
     model.prefill(inp.prompt, cache, dtype=dtype)
-    step = StepFunction(model, params, dtype, compile=compiled)
+    step = StepFunction(model, params, dtype, compile=compiled, precision_sc_top_k=sc_top_k)
     out = step(inp.canvas, inp.sc_logits, inp.temperature, mx.random.key(inp.seed),
                step.initial_history(inp.canvas.shape), cache)
     state = cache.state()
@@ -366,12 +368,13 @@ def run_model(model: Any, inp: CaseInput, dtype: mx.Dtype, params: Any, compiled
     return RunOutputs(kv, np.array(out["processed"][0].astype(mx.float32)), np.array(out["argmax"][0]))
 
 
-def subject_and_reference(model: Any, inp: CaseInput, dtype: mx.Dtype, params: Any) -> tuple[RunOutputs, RunOutputs]:
+def subject_and_reference(model: Any, inp: CaseInput, dtype: mx.Dtype, params: Any,
+                          sc_top_k: int | None = None) -> tuple[RunOutputs, RunOutputs]:
     """The default device's run (the compiled step, as generation runs it) and MLX's CPU stream's
-    (the eager step)."""
-    subject = run_model(model, inp, dtype, params, compiled=True)
+    (the eager step). ``sc_top_k``: the runtime precision's self-conditioning width."""
+    subject = run_model(model, inp, dtype, params, compiled=True, sc_top_k=sc_top_k)
     with mx.stream(mx.cpu):
-        reference = run_model(model, inp, dtype, params, compiled=False)
+        reference = run_model(model, inp, dtype, params, compiled=False, sc_top_k=sc_top_k)
     return subject, reference
 
 
@@ -402,9 +405,9 @@ def real_shapes_layer(precision: str = "exact") -> tuple[Any, list[int], dict]:
     with tempfile.TemporaryDirectory(prefix="mlx-dgemma-doctor-") as d:
         gguf = write_tiny_gguf(Path(d) / "layer.gguf", TinySpec(**spec, context_length=65536), types="q4_k_m",
                                seed=0, weight_std=0.02)
-        model, _ = load(gguf, precision=precision)
+        runtime = load(gguf, precision=precision)
     ids = np.random.default_rng(1).integers(0, LAYER_VOCAB, LAYER_PROMPT).tolist()
-    return model, ids, model.generation_config
+    return runtime.model, ids, runtime.generation_config
 
 
 def first_layers(path: str | Path, layers: int, precision: str = "exact",
@@ -625,23 +628,24 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
             model, ids, gen = load("exact")
         case = case.format(layers=model.args.num_hidden_layers)
         for prec in precs:  # exact first: fast is made from it in memory, as the loader does
-            apply_precision(model, resolve_precision(prec))
-            dtype = model.activation_dtype
+            resolved = resolve_precision(prec)
+            apply_precision(model, resolved)
+            dtype = resolved.dtype
             label = f"{prec} ({_dtype_name(dtype)})"
             params = SamplerParams.from_config(gen)
             C = min(canvas or model.args.canvas_length, model.args.canvas_length)
             inp = fixed_input(model.args, ids, C, params.t_max)
             with prog.phase(f"{case}, {label}: prefill {len(ids)} tokens + one step of {C} on "
                             f"{'the GPU and ' if dev.gpu else ''}the CPU"):
-                subject, reference = subject_and_reference(model, inp, dtype, params)
+                subject, reference = subject_and_reference(model, inp, dtype, params, resolved.sc_top_k)
             report.checks.extend(compare(case, label, subject, reference,
                                          tolerance(dev.backend, _dtype_name(dtype)), perturb))
 
     def demo(prec: str):
-        from .demo import load_demo
+        from .loader import load_demo
 
-        model, tok = load_demo(precision=prec)
-        return model, tok.encode(FIXED_PROMPT), model.generation_config
+        runtime = load_demo(precision=prec)
+        return runtime.model, runtime.tokenizer.encode(FIXED_PROMPT), runtime.generation_config
 
     if "demo" in cases:
         check_case("demo", demo, None)

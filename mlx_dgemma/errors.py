@@ -23,11 +23,9 @@ class ParameterError(DGemmaError, ValueError):
     """A parameter value is out of its allowed range. ``param`` (the field name) and ``rule``
     (what is allowed) let a front end restate the error with its own name, e.g. a CLI flag."""
 
-    def __init__(self, message: str, param: str | None = None, rule: str | None = None, *,
-                 name: str | None = None):
+    def __init__(self, message: str, param: str | None = None, rule: str | None = None):
         super().__init__(message)
-        self.param = param or name
-        self.name, self.rule = self.param, rule  # ``name``: the same field (older spelling)
+        self.param, self.rule = param, rule
 
 
 class NonFiniteError(DGemmaError):

@@ -1,7 +1,7 @@
 """The events of ``stream_generate`` / ``ChatSession.stream``: frozen plain-data dataclasses.
 
 numpy only, no MLX: the trace, the TUI screens and test fakes read them without loading the
-runtime. ``mlx_dgemma.generation`` produces them (and re-exports them for older imports).
+runtime. ``mlx_dgemma.generation`` produces them (import them from here, or the package).
 Blocks and steps are numbered from 1, as users see them (the CLI, the chat app, the trace
 and the server's ``diffusion`` events all show these numbers unchanged).
 """

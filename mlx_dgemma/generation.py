@@ -21,13 +21,12 @@ import numpy as np
 from .cache import KVCache
 from .chat_template import ParsedAnswer, parse_answer, render_chat
 from .errors import NonFiniteError, ParameterError
-# The events live in mlx_dgemma.events (numpy only); re-exported here for older imports.
-from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent  # noqa: F401
+from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent
 from .memory import check_fits, estimate, peak_memory_bytes, reset_peak_memory
-from .model import DEFAULT_PREFILL_CHUNK, DiffusionGemma
+from .model import DEFAULT_PREFILL_CHUNK
+from .runtime import Runtime
 from .sampler import SamplerParams, finalize_block, temperature, token_logprobs
 from .step import StepFunction
-from .tokenizer import Tokenizer
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -43,12 +42,13 @@ class BlockResult:
     logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
-def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, key: mx.array,
-                  dtype: mx.Dtype | None = None, block: int = 1, initial_canvas: mx.array | None = None,
-                  step_fn: StepFunction | None = None,
+def denoise_block(step_fn: StepFunction, cache: KVCache, params: SamplerParams, key: mx.array, block: int = 1,
+                  initial_canvas: mx.array | None = None,
                   logprobs: int | None = None) -> Iterator[StepEvent | BlockResult]:
-    """Denoise one canvas against ``cache``: yields a StepEvent per step, then a BlockResult.
-    ``block`` is the block's number, counted from 1 (as every event and message counts it).
+    """Denoise one canvas against ``cache`` with ``step_fn`` (the compiled step: model, dtype and
+    the traced sampler fields) under ``params`` (this answer's: steps, temperatures): yields a
+    StepEvent per step, then a BlockResult. ``block`` is the block's number, counted from 1 (as
+    every event and message counts it).
 
     Each step is one compiled graph and one device sync; only the canvas, draft, accepted
     mask and entropies ([C] each) reach the host, never the [C, V] logits. With ``logprobs``
@@ -57,8 +57,7 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
     from the step's own temperature-scaled output, so the compiled step is the same with or
     without them).
     """
-    C, V = model.args.canvas_length, model.args.vocab_size
-    step_fn = step_fn or StepFunction.shared(model, params, dtype)
+    C, V = step_fn.model.args.canvas_length, step_fn.model.args.vocab_size
     key, k0 = mx.random.split(key)
     canvas = initial_canvas if initial_canvas is not None else \
         mx.random.randint(0, V, (1, C), key=k0).astype(mx.int32)
@@ -81,9 +80,10 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
         revealed = out["revealed"]
         entropy = np.array(out["entropy"][0])
         stopped = bool(out["stop"][0].item())
-        yield StepEvent(block, i, N, _frozen(np.array(canvas[0])), _frozen(np.array(argmax[0])),
-                        _frozen(np.array(out["accepted"][0])), _frozen(entropy), float(entropy.mean()),
-                        float(temp), time.perf_counter() - t0, stopped)
+        yield StepEvent(block=block, step=i, max_steps=N, canvas=_frozen(np.array(canvas[0])),
+                        draft=_frozen(np.array(argmax[0])), accepted=_frozen(np.array(out["accepted"][0])),
+                        entropy=_frozen(entropy), mean_entropy=float(entropy.mean()), temperature=float(temp),
+                        seconds=time.perf_counter() - t0, stopped=stopped)
         if stopped:
             break
     lp = None
@@ -97,15 +97,9 @@ def denoise_block(model: DiffusionGemma, cache: KVCache, params: SamplerParams, 
     yield BlockResult(np.array(argmax[0]).astype(np.int64).tolist(), i, lp)
 
 
-def precision_label(model: DiffusionGemma) -> str:
-    """The model's runtime precision as shown to users ("fast (bfloat16)", "exact (float32)")."""
-    p = getattr(model, "precision", None)
-    return p.label if p is not None else "exact (float32)"
-
-
-def _model_defaults(model: DiffusionGemma, generation_config: dict | None) -> dict | None:
-    """The generation config to use: the one given, else the model's own (from load())."""
-    return generation_config if generation_config is not None else getattr(model, "generation_config", None)
+def _defaults(runtime: Runtime, generation_config: dict | None) -> dict:
+    """The generation config to use: the one given, else the runtime's own (from load())."""
+    return generation_config if generation_config is not None else runtime.generation_config
 
 
 class ChatSession:
@@ -117,15 +111,17 @@ class ChatSession:
     cache hit changes the speed, never the prompt. After an answer the cache returns to the
     end of the user's turn (dropping the generation prompt and the committed blocks, padding
     included) and encodes the answer as the template renders an earlier assistant turn.
-    Sampler defaults come from ``generation_config``, else the model's own."""
+    Sampler defaults come from ``generation_config``, else the runtime's own."""
 
-    def __init__(self, model: DiffusionGemma, tokenizer: Tokenizer, generation_config: dict | None = None,
-                 dtype: mx.Dtype | None = None, enable_thinking: bool = False, system: str | None = None):
-        self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
-        self.params = SamplerParams.from_config(_model_defaults(model, generation_config))
+    def __init__(self, runtime: Runtime, generation_config: dict | None = None, dtype: mx.Dtype | None = None,
+                 enable_thinking: bool = False, system: str | None = None):
+        self.runtime = runtime
+        self.model, self.tokenizer = runtime.model, runtime.tokenizer
+        self.dtype = dtype or runtime.activation_dtype
+        self.params = SamplerParams.from_config(_defaults(runtime, generation_config))
         self.enable_thinking = enable_thinking
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-        self.cache = model.make_cache()
+        self.cache = self.model.make_cache()
         self.history: list[int] = []  # every token in the cache, in order: a prefix of a fresh render
         self.cached_tokens = 0  # tokens the last turn took from the cache instead of encoding them
         self.prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK
@@ -164,7 +160,7 @@ class ChatSession:
         answer_ids: list[int] = []
         finished = False
         try:
-            for ev in _run(self.model, self.tokenizer, self.cache, full[n:], params, self.dtype, cancel,
+            for ev in _run(self.runtime, self.cache, full[n:], params, self.dtype, cancel,
                            history_len=n, chunk_size=self.prefill_chunk_size,
                            checkpoint=(mark - n, lambda: saved.append(self.cache.checkpoint())), logprobs=logprobs):
                 if isinstance(ev, DoneEvent):
@@ -187,12 +183,12 @@ class ChatSession:
             return
         if len(after) > mark:
             self.model.prefill(mx.array([after[mark:]], dtype=mx.int32), self.cache,
-                               dtype=self.dtype or getattr(self.model, "activation_dtype", mx.float32),
+                               dtype=self.dtype,
                                chunk_size=self.prefill_chunk_size)
         self.history = after
 
 
-def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | list[dict[str, str]] | list[int],
+def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[int],
                     *, generation_config: dict | None = None, dtype: mx.Dtype | None = None,
                     enable_thinking: bool = False, chat: bool = True,
                     cancel: Callable[[], bool] | None = None,
@@ -210,13 +206,14 @@ def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | l
     a list of messages, or token ids. ``params`` override generation_config values
     (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
     confidence_threshold, max_new_tokens, seed, sc_top_k, accept_probability). Without ``generation_config`` the
-    model's own (``model.generation_config``, attached by :func:`mlx_dgemma.load`) is used.
+    runtime's own (``runtime.generation_config``, from :func:`mlx_dgemma.load`) is used.
 
     ``logprobs`` (an integer k >= 0; None, the default, costs nothing): each BlockEvent carries
     its tokens' log-probabilities and the k most likely tokens per position, under the
     distribution of the step that committed the block (its logits at temperature 1).
     """
-    p = SamplerParams.from_config(_model_defaults(model, generation_config), **params)
+    tokenizer = runtime.tokenizer
+    p = SamplerParams.from_config(_defaults(runtime, generation_config), **params)
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ParameterError("prompt: empty; give some text")
@@ -229,16 +226,17 @@ def stream_generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | l
         ids = [int(t) for t in prompt]
     if not ids:
         raise ParameterError("prompt: no tokens; give some text")
-    yield from _run(model, tokenizer, model.make_cache(), ids, p, dtype, cancel, history_len=0,
+    yield from _run(runtime, runtime.model.make_cache(), ids, p, dtype, cancel, history_len=0,
                     chunk_size=prefill_chunk_size, logprobs=logprobs)
 
 
-def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[int], p: SamplerParams,
-         dtype: mx.Dtype, cancel: Callable[[], bool] | None, history_len: int,
+def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
+         dtype: mx.Dtype | None, cancel: Callable[[], bool] | None, history_len: int,
          chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
          checkpoint: tuple[int, Callable[[], None]] | None = None, logprobs: int | None = None) -> Iterator[Event]:
     """Prefill ``ids`` into ``cache`` (in chunks) and generate. ``checkpoint`` (k, call): call
     ``call()`` once the first k of ``ids`` are encoded (a chat session returns there later)."""
+    model, tokenizer = runtime.model, runtime.tokenizer
     C = model.args.canvas_length
     n_blocks = math.ceil(p.max_new_tokens / C)
     limit = model.args.max_position_embeddings
@@ -253,13 +251,12 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
         if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= model.args.vocab_size:
             raise ParameterError(f"logprobs: {logprobs!r}; expected an integer in [0, {model.args.vocab_size}] "
                                  "(the most likely tokens to report per position) or None", param="logprobs")
-        if getattr(model, "group", None) is not None:  # the logits' vocabulary is split across ranks
+        if runtime.group is not None:  # the logits' vocabulary is split across ranks
             raise ParameterError("logprobs: not available under mlx.launch (each rank holds part of the "
                                  "vocabulary); leave it out", param="logprobs")
-    dtype = dtype or getattr(model, "activation_dtype", mx.float32)  # the runtime precision's
-    if isinstance(cache, KVCache):  # a real model (test doubles have no shapes to estimate)
-        check_fits(estimate(model.args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
-                            chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids))
+    dtype = dtype or runtime.activation_dtype  # the runtime precision's
+    check_fits(estimate(model.args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
+                        chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids))
     reset_peak_memory()
     key = mx.random.key(p.seed if p.seed is not None else time.time_ns() % (2**63))
     t0 = time.perf_counter()
@@ -270,26 +267,30 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
             for done in model.prefill_chunks(mx.array([part], dtype=mx.int32), cache, dtype=dtype,
                                              chunk_size=chunk_size):
                 if chunked:
-                    yield PrefillProgressEvent(start + done, len(ids), time.perf_counter() - t0)
+                    yield PrefillProgressEvent(tokens_done=start + done, tokens_total=len(ids),
+                                               seconds=time.perf_counter() - t0)
                 if start + done < len(ids) and cancel is not None and cancel():
-                    yield DoneEvent("", "", (), "cancelled", len(ids), time.perf_counter() - t0, 0.0, 0, (), 0.0,
-                                    0.0, 0.0, peak_memory_bytes())
+                    yield DoneEvent(text="", thinking="", tokens=(), finish_reason="cancelled",
+                                    prompt_tokens=len(ids), prefill_seconds=time.perf_counter() - t0,
+                                    prefill_tokens_per_second=0.0, steps=0, steps_per_block=(), seconds_per_step=0.0,
+                                    tokens_per_forward=0.0, generation_seconds=0.0,
+                                    peak_memory_bytes=peak_memory_bytes())
                     return
         if start == 0 and checkpoint is not None:
             checkpoint[1]()
     prefill_s = time.perf_counter() - t0
-    yield PrefillEvent(len(ids), prefill_s)
+    yield PrefillEvent(tokens=len(ids), seconds=prefill_s)
     out: list[int] = []
     steps_per_block: list[int] = []
     step_seconds = 0.0
     steps = 0  # every decoder pass, a cancelled block's included
     reason = "length"
     t_gen = time.perf_counter()
-    step_fn = StepFunction.shared(model, p, dtype)  # traced once per model, reused by every block and answer
+    step_fn = runtime.step(p, dtype)  # traced once per runtime, reused by every block and answer
     for b in range(n_blocks):
         key, sub = mx.random.split(key)
         result: BlockResult | None = None
-        for ev in denoise_block(model, cache, p, sub, dtype=dtype, block=b + 1, step_fn=step_fn, logprobs=logprobs):
+        for ev in denoise_block(step_fn, cache, p, sub, block=b + 1, logprobs=logprobs):
             if isinstance(ev, BlockResult):
                 result = ev
                 break
@@ -307,12 +308,13 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
         out += block
         raw = tokenizer.decode(out)
         parsed = parse_answer(raw)
-        lp: tuple[np.ndarray, ...] = ()
+        lp: dict[str, np.ndarray] = {}
         if result.logprobs is not None:  # the generated positions only: up to the EOS, not its padding
             n = next((i + 1 for i, t in enumerate(block) if t in p.eos_token_id), len(block)) if finished \
                 else len(block)
-            lp = tuple(_frozen(a[:n]) for a in result.logprobs)
-        yield BlockEvent(b + 1, tuple(block), result.steps, finished, parsed.answer, parsed.thinking, raw, *lp)
+            lp = dict(zip(("logprobs", "top_ids", "top_logprobs"), (_frozen(a[:n]) for a in result.logprobs)))
+        yield BlockEvent(block=b + 1, tokens=tuple(block), steps=result.steps, finished=finished, text=parsed.answer,
+                         thinking=parsed.thinking, raw_text=raw, **lp)
         last = finished or b + 1 == n_blocks
         if not last:  # commit the block through the encoder: the next block's canvas reads it
             model.prefill(mx.array([block], dtype=mx.int32), cache, dtype=dtype)
@@ -321,17 +323,18 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
             break
     valid = sum(1 for t in out if t != p.pad_token_id)
     parsed: ParsedAnswer = parse_answer(tokenizer.decode(out))
-    yield DoneEvent(parsed.answer, parsed.thinking, tuple(out), reason, len(ids), prefill_s,
-                    len(ids) / prefill_s if prefill_s > 0 else 0.0, steps, tuple(steps_per_block),
-                    step_seconds / steps if steps else 0.0, valid / steps if steps else 0.0,
-                    time.perf_counter() - t_gen, peak_memory_bytes(), precision_label(model))
+    yield DoneEvent(text=parsed.answer, thinking=parsed.thinking, tokens=tuple(out), finish_reason=reason,
+                    prompt_tokens=len(ids), prefill_seconds=prefill_s,
+                    prefill_tokens_per_second=len(ids) / prefill_s if prefill_s > 0 else 0.0, steps=steps,
+                    steps_per_block=tuple(steps_per_block), seconds_per_step=step_seconds / steps if steps else 0.0,
+                    tokens_per_forward=valid / steps if steps else 0.0, generation_seconds=time.perf_counter() - t_gen,
+                    peak_memory_bytes=peak_memory_bytes(), precision=runtime.precision.label)
 
 
-def generate(model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | list[dict[str, str]] | list[int],
-             **kwargs: Any) -> str:
+def generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[int], **kwargs: Any) -> str:
     """The answer text (thought channel removed). Same arguments as :func:`stream_generate`."""
     done = None
-    for ev in stream_generate(model, tokenizer, prompt, **kwargs):
+    for ev in stream_generate(runtime, prompt, **kwargs):
         if isinstance(ev, DoneEvent):
             done = ev
     assert done is not None

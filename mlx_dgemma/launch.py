@@ -48,17 +48,14 @@ class _ErrorLines:
         return False
 
 
-def quiet_other_ranks(command: str | None) -> None:
+def quiet_other_ranks() -> None:
     """The command line under ``mlx.launch``: ranks other than 0 print nothing but their errors
-    (prefixed ``[rank N]``), and ``chat``, which runs in one process, refuses (``serve`` runs
-    on rank 0, the other ranks follow it: ``mlx_dgemma.lockstep``)."""
+    (prefixed ``[rank N]``). (``chat``, which runs in one process, is refused by the command
+    line through ``mlx_dgemma.distributed.refuse_ranks``; ``serve`` runs on rank 0, the other
+    ranks follow it: ``mlx_dgemma.lockstep``.)"""
     if not launched():
         return
     rank = launched_rank()
     if rank:
         sys.stdout = open(os.devnull, "w")
         sys.stderr = _ErrorLines(sys.stderr, rank)
-    if command == "chat":
-        from .distributed import refuse_ranks  # MLX: only under a launcher
-
-        refuse_ranks(command)

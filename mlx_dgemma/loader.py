@@ -1,9 +1,11 @@
-"""``load(path)``, the one entry point from a path to (model, tokenizer): a converted MLX
-directory, or a .gguf converted in memory."""
+"""``load(path)``, the one entry point from a path to a :class:`~mlx_dgemma.runtime.Runtime`
+(model, tokenizer, generation defaults, precision): a converted MLX directory, or a .gguf
+converted in memory."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,6 +19,7 @@ from .model import DiffusionGemma, ModelArgs
 from .paths import check_model_choice, check_model_path, resolve_model, user_path  # noqa: F401 (re-exported)
 from .precision import Precision, apply_precision, check_loadable, resolve_precision, stored_precision
 from .quantized import quantize_modules
+from .runtime import Runtime
 from .schema import QuantSpec
 from .tokenizer import Tokenizer
 from .validate import check_model_dir, model_dir_shards
@@ -143,8 +146,9 @@ def plan_model(path: str | Path, memory_limit: int | None = None, context_tokens
 
 def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.Dtype | None = None,
          progress: Callable[[int, int, str], None] | None = None,
-         memory_limit: int | None = None) -> tuple[DiffusionGemma, Tokenizer]:
-    """Load a converted directory, or convert a .gguf in memory.
+         memory_limit: int | None = None) -> Runtime:
+    """Load a converted directory, or convert a .gguf in memory: a :class:`Runtime` (``.model``,
+    ``.tokenizer``, ``.generation_config``, ``.precision``) for ``generate``/``stream_generate``.
 
     ``precision`` is the runtime precision (``mlx_dgemma.precision``): "exact" (float32,
     bit-exact weights), "fast" (the device's fast activation dtype, scales cast to it, padded
@@ -157,8 +161,8 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
     Before any weight is read, a memory plan (:mod:`mlx_dgemma.plan`) prices the precision
     against the device (or ``memory_limit`` bytes): ``auto`` becomes the most exact form that
     fits, and a precision that does not fit raises :class:`MemoryBudgetError` (one line).
-    The model's generation defaults (generation_config.json or the GGUF's) are attached as
-    ``model.generation_config``; the resolved precision as ``model.precision``.
+    The runtime carries the model's generation defaults (generation_config.json or the
+    GGUF's) and the resolved precision.
     """
     prec = resolve_precision(precision, dtype)
     # "~/models/dgemma" works as README writes it; a missing path, a FIFO, a device or a link
@@ -179,8 +183,16 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
         gen = side["generation_config"]
     else:  # pragma: no cover - check_model_path lets only directories and regular files through
         raise ModelFilesError(f"{p}: not a file or directory")
-    object.__setattr__(model, "generation_config", gen)  # a plain attribute, not a parameter
-    return model, tokenizer
+    return Runtime(model, tokenizer, gen, prec)
+
+
+def load_demo(dtype: mx.Dtype | str | None = None, kind: str = "trained", precision: str | Precision = "auto"
+              ) -> Runtime:
+    """The :class:`Runtime` of the built-in demo model ``kind`` ('trained' or 'random', see
+    :mod:`mlx_dgemma.demo`) in runtime ``precision``; its ``demo_kind`` names the kind."""
+    from .demo import demo_file
+
+    return replace(load(demo_file(kind), precision=precision, dtype=dtype), demo_kind=kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,8 +202,8 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
 
 def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: str | None = None,
                progress: Callable[[int, int, str], None] | None = None,
-               memory_limit: int | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) for a front end: the built-in demo model if ``demo``, else ``model``
+               memory_limit: int | None = None) -> Runtime:
+    """The :class:`Runtime` of a front end: the built-in demo model if ``demo``, else ``model``
     (a converted directory or a .gguf, ``~`` expanded; default ``$MLX_DGEMMA_MODEL``), in
     runtime ``precision`` (``dtype``: fast's activation dtype). ``progress(i, n, tensor)``
     follows a .gguf's in-memory conversion.
@@ -204,7 +216,5 @@ def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: st
     prec = resolve_precision(precision, dtype)
     path = resolve_model(model, demo)
     if demo:
-        from mlx_dgemma.demo import load_demo
-
         return load_demo(precision=prec)
     return load(path, precision=precision, dtype=dtype, progress=progress, memory_limit=memory_limit)

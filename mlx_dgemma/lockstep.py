@@ -29,13 +29,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 
 from .errors import DGemmaError
 from .events import Event
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
 
 log = logging.getLogger("mlx_dgemma.lockstep")
 
@@ -81,11 +84,11 @@ class ModelRuntime:
     it from one thread per process (the thread that owns the model).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, generation_config: dict[str, Any] | None = None):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, runtime: Runtime, generation_config: dict[str, Any] | None = None):
+        self.runtime = runtime
         self.generation_config = dict(generation_config if generation_config is not None
-                                      else getattr(model, "generation_config", None) or {})
-        group = getattr(model, "group", None)
+                                      else runtime.generation_config)
+        group = runtime.group
         self.lockstep = Lockstep(group) if group is not None else None
         self.session: Any = None  # the current ChatSession (:meth:`new_chat`)
         self.closed = False
@@ -125,7 +128,7 @@ class ModelRuntime:
     def _new_chat(self, op: dict[str, Any]) -> None:
         from .generation import ChatSession
 
-        self.session = ChatSession(self.model, self.tokenizer, self.generation_config,
+        self.session = ChatSession(self.runtime, self.generation_config,
                                    enable_thinking=bool(op.get("enable_thinking")), system=op.get("system"))
         if op.get("messages") is not None:
             self.session.messages = [dict(m) for m in op["messages"]]
@@ -134,7 +137,7 @@ class ModelRuntime:
         from .generation import stream_generate
 
         if op["op"] == "generate":
-            return stream_generate(self.model, self.tokenizer, op["prompt"], generation_config=self.generation_config,
+            return stream_generate(self.runtime, op["prompt"], generation_config=self.generation_config,
                                    enable_thinking=op["enable_thinking"], chat=op["chat"], cancel=cancel,
                                    **op["params"])
         if self.session is None:

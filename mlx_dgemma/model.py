@@ -353,7 +353,6 @@ class DiffusionGemma(nn.Module):
             raise ParameterError("the model is already sharded; load it again to shard it differently")
         ranks, rank = group.size(), group.rank()
         plan = self.shard_plan(ranks, rank)
-        self.__dict__.pop("_shared_steps", None)  # steps traced for the whole model (StepFunction.shared)
         modules = dict(self.named_modules())
         for path, split in plan.items():
             shard_module(modules[path], split)

@@ -171,10 +171,10 @@ def apply_precision(model: nn.Module, precision: Precision, quantization: dict |
     (``mlx_dgemma.tiers.target``; ``quantization`` is config.json's section, which records each
     weight's ggml type) unless already in that form, cast every quantized weight's scales and
     biases (the tiers' float16 ones only to a half-precision activation dtype) and every float
-    parameter to ``precision.dtype`` (quantized weights' packed integers are untouched).
+    parameter to ``precision.dtype`` (quantized weights' packed integers are untouched), and
+    the model's own ``activation_dtype``. The precision itself is the caller's to keep with the
+    model (the loader's :class:`mlx_dgemma.runtime.Runtime`), as are steps traced before.
     """
-    object.__setattr__(model, "precision", precision)
-    model.__dict__.pop("_shared_steps", None)  # steps traced for the previous weights (StepFunction.shared)
     if precision.name == "exact":
         return
     dt = precision.dtype

@@ -26,46 +26,34 @@ OUTPUTS = ("canvas", "argmax", "accepted", "entropy", "processed", "stop", "hist
 TRACED_FIELDS = ("entropy_bound", "stability_threshold", "confidence_threshold", "sc_top_k", "accept_probability")
 
 
+def step_key(params: SamplerParams, dtype: mx.Dtype) -> tuple:
+    """What a traced step depends on: two requests with the same key can share one trace
+    (:meth:`mlx_dgemma.runtime.Runtime.step` keeps one StepFunction per key)."""
+    return tuple(getattr(params, f) for f in TRACED_FIELDS), str(dtype)
+
+
 class StepFunction:
     """``step(canvas, sc_logits | None, temperature, key, history, cache, revealed=None) -> dict`` of
-    OUTPUTS (``revealed``: the confidence-threshold mode's revealed canvas, -1 where hidden)."""
+    OUTPUTS (``revealed``: the confidence-threshold mode's revealed canvas, -1 where hidden).
 
-    def __init__(self, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype | None = None,
-                 compile: bool = True):
+    ``dtype``: the activations'; ``precision_sc_top_k``: the runtime precision's self-conditioning
+    width (a request's ``sc_top_k`` wins). Generation takes the runtime's shared one
+    (:meth:`mlx_dgemma.runtime.Runtime.step`) rather than tracing a new one per answer."""
+
+    def __init__(self, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype = mx.float32,
+                 compile: bool = True, precision_sc_top_k: int | None = None):
         params.check_model(model.args.vocab_size)
-        if params.accept_probability is not None and getattr(model, "group", None) is not None:
+        if params.accept_probability is not None and model.group is not None:
             raise ParameterError("accept_probability: the confidence-threshold mode runs in one process; leave it "
                                  "out under mlx.launch (EntropyBound, the default, runs across ranks)")
         self.model, self.params = model, params
-        # a request's --sc-top-k, else the precision's (fast: FAST_SC_TOP_K; exact: the whole vocabulary)
-        k = params.sc_top_k if params.sc_top_k is not None else getattr(getattr(model, "precision", None),
-                                                                        "sc_top_k", None)
+        # a request's --sc-top-k, else the precision's (fast: FAST_SC_TOP_K; exact: None, the whole vocabulary)
+        k = params.sc_top_k if params.sc_top_k is not None else precision_sc_top_k
         self.sc_top_k = None if k is None or k >= model.args.vocab_size else k
-        self.dtype = dtype or getattr(model, "activation_dtype", mx.float32)  # the runtime precision's activations
+        self.dtype = dtype  # the runtime precision's activations
         self.compiled = compile
         self._fns: dict[bool, Callable] = {}
         self._cache: KVCache | None = None
-
-    @classmethod
-    def shared(cls, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype | None = None) -> "StepFunction":
-        """The compiled step for ``model`` and these traced sampler fields, built once per model.
-
-        Each new StepFunction traces its graph again (a fraction of a second on the demo, more
-        on a deep model), so every answer of a chat, a server or the TUI reuses one. Kept on the
-        model itself so it goes away with it. Generation runs one step at a time per model (the
-        TUI's worker, the server's single generation lock); a step function is not re-entrant.
-        """
-        params.check_model(model.args.vocab_size)
-        dtype = dtype or getattr(model, "activation_dtype", mx.float32)
-        key = (tuple(getattr(params, f) for f in TRACED_FIELDS), str(dtype))
-        table = model.__dict__.get("_shared_steps")
-        if table is None:
-            table = {}
-            object.__setattr__(model, "_shared_steps", table)  # a plain attribute, not a parameter
-        fn = table.get(key)
-        if fn is None:
-            fn = table[key] = cls(model, params, dtype)
-        return fn
 
     def _fn(self, with_sc: bool) -> Callable:
         if with_sc not in self._fns:
@@ -78,10 +66,9 @@ class StepFunction:
         sc_top_k = self.sc_top_k
 
         def body(canvas, sc, temp, key, history, revealed, offset, *state):
-            # a real cache becomes a view over the traced inputs; anything else (test doubles) passes as is
-            cache = self._cache.view(list(state), offset) if isinstance(self._cache, KVCache) else self._cache
+            cache = self._cache.view(list(state), offset)  # the cache as a view over the traced inputs
             logits = model.denoise(canvas, cache, sc if with_sc else None, dtype=dtype, sc_top_k=sc_top_k)
-            group = getattr(model, "group", None)
+            group = model.group
             if group is None:
                 out = sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key, p.accept_probability,
                                   revealed)
@@ -104,11 +91,10 @@ class StepFunction:
         return initial_history(self.params.stability_threshold, shape)
 
     def __call__(self, canvas: mx.array, sc: mx.array | None, temperature: float, key: mx.array,
-                 history: mx.array, cache: KVCache | None, revealed: mx.array | None = None) -> dict[str, mx.array]:
+                 history: mx.array, cache: KVCache, revealed: mx.array | None = None) -> dict[str, mx.array]:
         self._cache = cache
-        real = isinstance(cache, KVCache)
-        state = cache.state() if real else []
-        offset = mx.array(cache.offset if real else 0, dtype=mx.int32)
+        state = cache.state()
+        offset = mx.array(cache.offset, dtype=mx.int32)
         revealed = revealed if revealed is not None else initial_revealed(canvas.shape)
         try:
             out = self._fn(sc is not None)(canvas, sc if sc is not None else mx.zeros((1,)),

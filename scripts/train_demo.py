@@ -526,14 +526,16 @@ def evaluate(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from mlx_dgemma.loader import load
-    from mlx_dgemma.generation import DoneEvent, StepEvent, stream_generate
+    from mlx_dgemma.events import DoneEvent, StepEvent
+    from mlx_dgemma.generation import stream_generate
 
-    model, tok = load(DATA_DIR / GGUF_NAME, dtype=mx.float32)
+    runtime = load(DATA_DIR / GGUF_NAME, dtype=mx.float32)
+    tok, gen_cfg = runtime.tokenizer, runtime.generation_config
     # --reference-sampler: the published model's defaults instead of the file's own
     overrides = {"t_max": 0.8, "t_min": 0.4} if args.reference_sampler else {}
     for kv in args.set or []:  # --set entropy_bound=0.03
         k, v = kv.split("=", 1)
-        overrides[k] = type(model.generation_config.get(k, 0.0))(v)
+        overrides[k] = type(gen_cfg.get(k, 0.0))(v)
     words = set((BUILD / "words.txt").read_text().split())
     strict_list = set((BUILD / "words_strict.txt").read_text().split("\n"))
     data = dict(np.load(BUILD / "examples.npz"))
@@ -552,7 +554,7 @@ def evaluate(args: argparse.Namespace) -> None:
     for k, prompt in enumerate(prompts + free_prompts):
         t0 = time.perf_counter()
         first, last_entropy, text = None, None, ""
-        for ev in stream_generate(model, tok, prompt, generation_config=model.generation_config,
+        for ev in stream_generate(runtime, prompt, generation_config=gen_cfg,
                                   seed=SEED + k, **overrides):
             if isinstance(ev, StepEvent):
                 last_entropy = ev.mean_entropy
@@ -581,7 +583,7 @@ def evaluate(args: argparse.Namespace) -> None:
         if k >= len(prompts):
             samples.append({"prompt": prompt, "answer": text})
         print(json.dumps({"prompt": k, "steps": steps[-1:], "first_words_s": first, "answer": text}), flush=True)
-    max_steps = overrides.get("max_denoising_steps", model.generation_config["max_denoising_steps"])
+    max_steps = overrides.get("max_denoising_steps", gen_cfg["max_denoising_steps"])
     res = {
         "prompts": len(prompts) + len(free_prompts), "max_steps": max_steps,
         "median_steps_per_block": float(np.median(steps)), "mean_steps_per_block": float(np.mean(steps)),
@@ -595,7 +597,7 @@ def evaluate(args: argparse.Namespace) -> None:
         "unknown_words": dict(sorted(unknown.items(), key=lambda kv: -kv[1])), "answers": answers,
     }
     res["blocks_stopped_early"] = float(np.mean(np.array(steps) < res["max_steps"]))
-    res["sampler"] = {**model.generation_config, **overrides}
+    res["sampler"] = {**gen_cfg, **overrides}
     name = args.eval_name or ("eval_reference_sampler.json" if args.reference_sampler else "eval.json")
     (BUILD / name).write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k != "answers"}, indent=1))

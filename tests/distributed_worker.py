@@ -24,7 +24,8 @@ def full(logits: mx.array, group: mx.distributed.Group | None) -> np.ndarray:
 
 
 def run(model_dir: str) -> dict:
-    model, tokenizer = load(model_dir, precision="exact")
+    rt = load(model_dir, precision="exact")
+    model, tokenizer = rt.model, rt.tokenizer
     group = model.group
     ids = mx.array([tokenizer.encode(PROMPT)])
     cache = model.make_cache()
@@ -35,7 +36,7 @@ def run(model_dir: str) -> dict:
     out = {"chunks": -(-ids.shape[1] // CHUNK), "ranks": distributed.size_of(group),
            "first": full(first, group), "sc": full(model.denoise(canvas, cache, first), group),
            "sc_top_k": full(model.denoise(canvas, cache, first, sc_top_k=8), group)}
-    out["text"] = generate(model, tokenizer, PROMPT, seed=3, max_new_tokens=64, max_denoising_steps=16,
+    out["text"] = generate(rt, PROMPT, seed=3, max_new_tokens=64, max_denoising_steps=16,
                            prefill_chunk_size=CHUNK)
     return out
 

@@ -38,8 +38,7 @@ def turn(rt: ModelRuntime, text: str, cancel_after: int | None = None, leave_aft
 
 
 def run() -> list[dict]:
-    model, tokenizer = open_model(None, True, "auto", None)  # as the chat app's backend loads it
-    rt = ModelRuntime(model, tokenizer)
+    rt = ModelRuntime(open_model(None, True, "auto", None))  # as the chat app's backend loads it
     if not rt.leader:
         rt.follow()
         return []
@@ -50,7 +49,7 @@ def run() -> list[dict]:
            turn(rt, "Tell me of Egypt.", leave_after=3)]
     rt.new_chat(enable_thinking=False, system="Answer in the words of the King James Bible.")
     out.append(turn(rt, "Who was Moses?", seed=3))
-    out.append({"ranks": distributed.size_of(model.group)})
+    out.append({"ranks": distributed.size_of(rt.runtime.group)})
     rt.shutdown()
     return out
 

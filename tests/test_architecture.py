@@ -20,13 +20,25 @@ def test_events_are_plain_data_without_mlx():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_fakes_and_generation_share_the_event_classes():
-    # generation.py re-exports the events: old imports and the package name the same classes.
+def test_the_events_are_imported_from_their_own_module():
+    # One home for the event classes: the package's names are mlx_dgemma.events' classes, and
+    # nothing imports them from generation.py (which once re-exported them for older imports).
     import mlx_dgemma
-    from mlx_dgemma import events, generation
+    from mlx_dgemma import events
 
     for name in events.__all__:
-        assert getattr(generation, name) is getattr(events, name) is getattr(mlx_dgemma, name), name
+        assert getattr(mlx_dgemma, name) is getattr(events, name), name
+    bad = []
+    for path in _sources("mlx_dgemma", "convert", "tui", "tests", "benchmarks", "scripts"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.ImportFrom) and (node.module or "").endswith("generation")
+                    and any(a.name in events.__all__ for a in node.names)):
+                bad.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}")
+    assert not bad, "events imported from mlx_dgemma.generation, not mlx_dgemma.events:\n" + "\n".join(bad)
+
+
+def _sources(*folders: str) -> list[Path]:
+    return sorted(p for f in folders for p in (ROOT / f).rglob("*.py"))
 
 
 # The dependency rule, read from the source with `ast` (nothing is imported): the core
@@ -210,3 +222,142 @@ def test_no_private_names_from_mlx_lm():
     bad = [f"{f}:{line} imports {m}.{name}" for f, m, name, line in _all_imports()
            if _under(m, "mlx_lm") and (name.startswith("_") or any(p.startswith("_") for p in m.split(".")))]
     assert not bad, "\n".join(bad)
+
+
+# --------------------------------------------------------------------------------------------
+# No attributes hung on objects from outside: what belongs with a loaded model (tokenizer,
+# generation defaults, precision, demo kind, compiled steps) is a field of
+# mlx_dgemma.runtime.Runtime, not an attribute set on the model (issue 22).
+# Each exception: (file, the call's source text), and why it is model-building, not hanging.
+SETATTR_EXCEPTIONS = {
+    # DiffusionGemma.shard -> shard_module: each sharded layer's own parameter replaced by this
+    # rank's slice while the model is built (nn.Module parameters, as load_weights sets them).
+    ("mlx_dgemma/distributed.py", "setattr(module, name, take(params[name], axis, ranges))"),
+}
+
+
+def test_nothing_sets_attributes_from_outside():
+    found, bad = set(), []
+    for path in _sources("mlx_dgemma", "convert", "tui"):
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            hit = None
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+                hit = node
+            elif isinstance(node, ast.Attribute) and node.attr in ("__setattr__", "__dict__"):
+                hit = node  # object.__setattr__(model, ...), model.__dict__[...] / .pop(...)
+            if hit is not None:
+                call = ast.get_source_segment(text, hit)
+                if (rel, call) in SETATTR_EXCEPTIONS:
+                    found.add((rel, call))
+                else:
+                    bad.append(f"{rel}:{hit.lineno}: {call}")
+    assert not bad, "attributes set from outside (make them Runtime fields or the object's own):\n" + "\n".join(bad)
+    assert found == SETATTR_EXCEPTIONS, f"stale exceptions: {SETATTR_EXCEPTIONS - found}"
+
+
+def test_the_scan_for_hung_attributes_sees_them(tmp_path):
+    # the rule above on the spellings it must catch (and the one it must not)
+    code = ("object.__setattr__(model, 'precision', p)\nsetattr(model, 'x', 1)\nmodel.__dict__.pop('_s', None)\n"
+            "model.args = a\n")
+    kinds = [type(n).__name__ for n in ast.walk(ast.parse(code))
+             if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "setattr")
+             or (isinstance(n, ast.Attribute) and n.attr in ("__setattr__", "__dict__"))]
+    assert sorted(kinds) == ["Attribute", "Attribute", "Call"]
+
+
+# --------------------------------------------------------------------------------------------
+# No import cycles anywhere in the installed packages (core, server, bench, convert, tui),
+# lazy imports included; imports under `if TYPE_CHECKING:` are annotations, not imports.
+ALL_PACKAGES = {**PACKAGES, "mlx_dgemma.server": "mlx_dgemma/server"}
+
+
+def _module_of(path: Path) -> str:
+    folder = path.parent.relative_to(ROOT).as_posix()
+    package = next(p for p, f in ALL_PACKAGES.items() if f == folder)
+    return package if path.stem == "__init__" else f"{package}.{path.stem}"
+
+
+def _runtime_imports(tree: ast.AST):
+    """Import nodes outside ``if TYPE_CHECKING:`` blocks."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for b in node.body for n in ast.walk(b))
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports. ``from pkg import name`` imports ``pkg.name``
+    where that is a module (and only then ``pkg`` itself: a name defined in its __init__)."""
+    files = [p for f in ALL_PACKAGES.values() for p in sorted((ROOT / f).glob("*.py"))]
+    known = {_module_of(p) for p in files}
+    graph: dict[str, set[str]] = {}
+    for path in files:
+        mod = _module_of(path)
+        package = mod if path.stem == "__init__" else mod.rpartition(".")[0]
+        deps = graph.setdefault(mod, set())
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+            for t in targets:
+                while t and t not in known:
+                    t = t.rpartition(".")[0]
+                if t and t != mod:
+                    deps.add(t)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_in_the_whole_package():
+    graph = import_graph()
+    assert {"mlx_dgemma.loader", "mlx_dgemma.server.app", "mlx_dgemma.bench.studies", "mlx_dgemma.convert.source",
+            "mlx_dgemma.tui.screens.chat"} <= set(graph)
+    assert "mlx_dgemma.params" in graph["mlx_dgemma.validate"]  # `from . import params`: the module
+    cycles = _cycles(graph)
+    detail = [" <-> ".join(c) + ": " + "; ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c)
+              for c in cycles]
+    assert not cycles, "import cycles:\n" + "\n".join(detail)
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

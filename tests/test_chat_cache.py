@@ -26,13 +26,14 @@ def _turn(session: ChatSession, text: str, seed: int) -> tuple[DoneEvent, int]:
 
 
 def test_a_cache_hit_gives_the_fresh_answer_and_counts_the_rendered_prompt(loaded):
-    model, tok = loaded
-    a = ChatSession(model, tok, model.generation_config)
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
+    a = ChatSession(rt)
     _turn(a, "Why is the sky blue?", seed=0)
     earlier = [dict(m) for m in a.messages]
     second, prefilled = _turn(a, "And the sunset?", seed=1)
     assert a.cached_tokens > 0 and prefilled < second.prompt_tokens + a.cached_tokens  # a real hit
-    b = ChatSession(model, tok, model.generation_config)  # the same conversation, sent fresh
+    b = ChatSession(rt)  # the same conversation, sent fresh
     b.messages = earlier
     fresh, fresh_prefilled = _turn(b, "And the sunset?", seed=1)
     assert b.cached_tokens == 0
@@ -41,8 +42,9 @@ def test_a_cache_hit_gives_the_fresh_answer_and_counts_the_rendered_prompt(loade
 
 
 def test_the_cache_holds_exactly_the_rendered_conversation(loaded):
-    model, tok = loaded
-    s = ChatSession(model, tok, model.generation_config)
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
+    s = ChatSession(rt)
     for i, text in enumerate(["Hello", "Tell me more"]):
         _turn(s, text, seed=i)
         rendered = tok.encode(render_chat(s.messages, tok.chat_template, add_generation_prompt=False))
@@ -50,8 +52,9 @@ def test_the_cache_holds_exactly_the_rendered_conversation(loaded):
 
 
 def test_another_conversation_is_encoded_afresh(loaded):
-    model, tok = loaded
-    s = ChatSession(model, tok, model.generation_config)
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
+    s = ChatSession(rt)
     _turn(s, "Hello", seed=0)
     s.messages = [{"role": "user", "content": "Something else"}, {"role": "assistant", "content": "Yes."}]
     _turn(s, "Go on", seed=0)

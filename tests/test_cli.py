@@ -33,10 +33,10 @@ def spy(monkeypatch):
     calls: list[dict] = []
     real = mlx_dgemma.generation.stream_generate
 
-    def spying(model, tokenizer, prompt, **kw):
-        call = {"prompt": prompt, "events": [], "model": model}
+    def spying(runtime, prompt, **kw):
+        call = {"prompt": prompt, "events": [], "runtime": runtime}
         calls.append(call)
-        for ev in real(model, tokenizer, prompt, **kw):
+        for ev in real(runtime, prompt, **kw):
             call["events"].append(ev)
             yield ev
 
@@ -62,7 +62,7 @@ def test_json_tokens_are_the_answer_only(spy, capsys, clean_env):
     assert main([*DEMO_RUN, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     done = [ev for ev in spy[0]["events"] if isinstance(ev, DoneEvent)][0]
-    eos = set(spy[0]["model"].generation_config["eos_token_id"])
+    eos = set(spy[0]["runtime"].generation_config["eos_token_id"])
     assert out["finish_reason"] == "eos"
     end = next(i for i, t in enumerate(done.tokens) if t in eos)  # the end-of-turn marker
     assert out["tokens"] == list(done.tokens[:end])  # neither the marker nor the pads after it

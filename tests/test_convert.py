@@ -101,8 +101,8 @@ def test_cli_convert_verify_force(tmp_path, tiny_gguf, capsys):
 def test_gguf_loads_in_memory_like_the_converted_directory(all_types_gguf, all_types_model_dir):
     from mlx_dgemma import load
 
-    a, tok_a = load(all_types_gguf)
-    b, tok_b = load(all_types_model_dir)
+    ra, rb = load(all_types_gguf), load(all_types_model_dir)
+    (a, tok_a), (b, tok_b) = (ra.model, ra.tokenizer), (rb.model, rb.tokenizer)
     prompt = mx.array([list(range(5, 30))], dtype=mx.int32)
     canvas = mx.array([list(range(100, 132))], dtype=mx.int32)
     outs = []
@@ -112,4 +112,4 @@ def test_gguf_loads_in_memory_like_the_converted_directory(all_types_gguf, all_t
         outs.append(np.array(m.denoise(canvas, cache)))
     assert np.array_equal(outs[0], outs[1])
     assert tok_a.encode("Hello <|turn>") == tok_b.encode("Hello <|turn>")
-    assert a.generation_config == b.generation_config
+    assert ra.generation_config == rb.generation_config

@@ -16,12 +16,13 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
 from mlx_dgemma.convert.metadata import args_from_metadata, read_metadata
-from mlx_dgemma.loader import load
+from mlx_dgemma.loader import load, load_demo
 from mlx_dgemma.schema import generation_defaults
 from mlx_dgemma.convert.names import expected_tensors
-from mlx_dgemma.demo import demo_file, load_demo, trained_demo_path
+from mlx_dgemma.demo import demo_file, trained_demo_path
 from mlx_dgemma.errors import ParameterError
-from mlx_dgemma.generation import ChatSession, DoneEvent, StepEvent
+from mlx_dgemma.events import DoneEvent, StepEvent
+from mlx_dgemma.generation import ChatSession
 from mlx_dgemma.convert.tokenizer_data import SPECIALS
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_demo.py"
@@ -71,7 +72,7 @@ def test_file_has_the_published_metadata_keys_and_inventory(reader):
 
 
 def test_tokenizer_is_gemma4_with_the_special_ids(demo):
-    _, tok = demo
+    tok = demo.tokenizer
     assert tok.kind == "gemma4"
     for i, t in SPECIALS.items():
         assert tok.tokens[i] == t
@@ -85,12 +86,11 @@ def test_tokenizer_is_gemma4_with_the_special_ids(demo):
 
 
 def test_load_demo_kinds(demo, monkeypatch, tmp_path):
-    model, tok = demo
-    assert model.is_demo and model.demo_kind == "trained"
-    assert model.args.canvas_length == 64 and tok.vocab_size == 4096
+    assert demo.is_demo and demo.demo_kind == "trained"
+    assert demo.model.args.canvas_length == 64 and demo.tokenizer.vocab_size == 4096
     monkeypatch.setenv("MLX_DGEMMA_CACHE", str(tmp_path))
-    rnd, rtok = load_demo(kind="random")
-    assert rnd.demo_kind == "random" and rtok.vocab_size != tok.vocab_size
+    rnd = load_demo(kind="random")
+    assert rnd.demo_kind == "random" and rnd.tokenizer.vocab_size != demo.tokenizer.vocab_size
     assert demo_file("random").parent == tmp_path
     with pytest.raises(ParameterError, match="demo kind 'bogus'"):
         load_demo(kind="bogus")
@@ -98,13 +98,13 @@ def test_load_demo_kinds(demo, monkeypatch, tmp_path):
 
 def test_load_exposes_the_files_sampler_defaults(demo, reader):
     """The file carries its own schedule in diffusion.eb_* keys; load() puts exactly those into
-    model.generation_config and the reference's defaults everywhere else."""
-    model, _ = demo
+    the runtime's generation_config and the reference's defaults everywhere else."""
+    rt = demo
     keys = {k: v for k, v in read_metadata(reader).items() if k.startswith("diffusion.eb_")}
     assert keys and set(keys) <= set(EB_KEYS), keys
     for key, name in EB_KEYS.items():
         want = keys.get(key, generation_defaults()[name])
-        assert model.generation_config[name] == pytest.approx(want), name
+        assert rt.generation_config[name] == pytest.approx(want), name
 
 
 def test_defaults_stage_rewrites_only_the_sampler_keys(tmp_path, monkeypatch, reader):
@@ -122,8 +122,7 @@ def test_defaults_stage_rewrites_only_the_sampler_keys(tmp_path, monkeypatch, re
     data = shipped.stat().st_size - reader.data_offset  # the tensor data: the file's tail
     assert path.read_bytes()[-data:] == shipped.read_bytes()[-data:]
     assert path.read_bytes() != shipped.read_bytes()
-    model, _ = load(path, dtype=mx.float32)
-    gc = model.generation_config
+    gc = load(path, dtype=mx.float32).generation_config
     assert (gc["t_max"], gc["max_denoising_steps"]) == (pytest.approx(0.3), 40)
     assert gc["t_min"] == generation_defaults()["t_min"]  # dropped from the file: the reference's again
     monkeypatch.undo()
@@ -144,7 +143,8 @@ def _canvas_loss(model, prompt_ids: list[int], clean: list[int], noisy: list[int
 def test_model_denoises_a_corpus_continuation(demo):
     """Half the canvas replaced by uniform noise: the trained model puts the clean tokens
     back far better than chance (ln 4096 = 8.3 nats)."""
-    model, tok = demo
+    rt = demo
+    model, tok = rt.model, rt.tokenizer
     from mlx_dgemma.chat_template import render_chat
 
     prompt = tok.encode(render_chat([{"role": "user", "content": GENESIS_1_1}], tok.chat_template))
@@ -161,9 +161,10 @@ def test_entropy_falls_and_the_stop_rule_fires_over_two_turns(demo):
     """A two-turn chat with the file's sampler defaults (as the app runs it): in each turn's
     block the mean entropy drops below the confidence threshold, the stop rule ends the block
     well before the step limit, and the answer is made of words."""
-    model, tok = demo
-    session = ChatSession(model, tok, model.generation_config)
-    limit = model.generation_config["max_denoising_steps"]
+    rt = demo
+    model, tok = rt.model, rt.tokenizer
+    session = ChatSession(rt)
+    limit = rt.generation_config["max_denoising_steps"]
     for turn, prompt in enumerate([GENESIS_1_1, "And God said, Let there be light: and there was light."]):
         steps: list[StepEvent] = []
         done = None

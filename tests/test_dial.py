@@ -5,7 +5,6 @@ position is revealed, and the step cap (``max_denoising_steps``) scaling the sch
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -18,6 +17,7 @@ from mlx_dgemma.events import StepEvent
 from mlx_dgemma.generation import BlockResult, denoise_block
 from mlx_dgemma.sampler import SamplerParams, confidence_reveal, sample_step
 from mlx_dgemma.step import StepFunction
+from tests.model_fakes import ScriptedDecoder
 
 
 def logits_of(probs: list[list[float]]) -> mx.array:
@@ -60,19 +60,6 @@ def test_threshold_is_on_the_temperature_scaled_probability():
 C, V = 6, 5
 
 
-class ScriptedModel:
-    """A decoder returning scripted logits step by step (eager step only)."""
-
-    def __init__(self, logits):
-        self.logits, self.calls = logits, 0
-        self.args = SimpleNamespace(canvas_length=C, vocab_size=V)
-
-    def denoise(self, canvas, cache, sc, dtype=None, sc_top_k=None):
-        out = mx.array(self.logits[self.calls])
-        self.calls += 1
-        return out
-
-
 def test_loop_reveals_step_by_step_and_stops_when_all_are_revealed():
     # step s: positions 2s and 2s + 1 get p = 0.97 on token (s + pos) % V, the rest uniform
     steps = []
@@ -85,9 +72,9 @@ def test_loop_reveals_step_by_step_and_stops_when_all_are_revealed():
     steps += [steps[-1]] * 5  # would be read if the loop did not stop
     params = SamplerParams(max_denoising_steps=8, t_min=0.999, t_max=1.0, accept_probability=0.9,
                            stability_threshold=1, confidence_threshold=1e-12)  # the entropy stop never fires
-    model = ScriptedModel(steps)
-    events = list(denoise_block(model, None, params, mx.random.key(3),
-                                step_fn=StepFunction(model, params, compile=False)))
+    model = ScriptedDecoder(steps, C, V)  # eager step only: the scripted logits are read on the host
+    events = list(denoise_block(StepFunction(model, params, compile=False), model.make_cache(), params,
+                                mx.random.key(3)))
     evs = [e for e in events if isinstance(e, StepEvent)]
     assert len(evs) == 3 and evs[-1].stopped and not any(e.stopped for e in evs[:-1])
     assert [e.accepted.tolist() for e in evs] == [[True, True, False, False, False, False],
@@ -114,8 +101,8 @@ def test_accept_probability_flag_is_named(tmp_path, capsys):
 
 @pytest.mark.parametrize("cap", [3, 5])
 def test_step_cap_scales_the_schedule(tiny_model_dir, cap):
-    model, tok = load(tiny_model_dir)
-    evs = [e for e in stream_generate(model, tok, "hi", seed=0, max_denoising_steps=cap, t_min=0.2, t_max=0.6,
+    rt = load(tiny_model_dir)
+    evs = [e for e in stream_generate(rt, "hi", seed=0, max_denoising_steps=cap, t_min=0.2, t_max=0.6,
                                       confidence_threshold=1e-12, max_new_tokens=1)
            if isinstance(e, StepEvent)]
     assert len(evs) == cap and all(e.max_steps == cap for e in evs)
@@ -126,10 +113,11 @@ def test_step_cap_scales_the_schedule(tiny_model_dir, cap):
 def test_fast_self_conditions_from_the_top_64(tiny_model_dir):
     from mlx_dgemma.precision import FAST_SC_TOP_K
 
-    fast, _ = load(tiny_model_dir, precision="fast")
-    exact, _ = load(tiny_model_dir, precision="exact")
-    assert FAST_SC_TOP_K == 64 < fast.args.vocab_size
-    assert StepFunction(fast, SamplerParams()).sc_top_k == 64
-    assert StepFunction(exact, SamplerParams()).sc_top_k is None
-    assert StepFunction(fast, SamplerParams(sc_top_k=16)).sc_top_k == 16  # a request's own k wins
-    assert StepFunction(fast, SamplerParams(sc_top_k=fast.args.vocab_size)).sc_top_k is None  # all = exact
+    fast = load(tiny_model_dir, precision="fast")
+    exact = load(tiny_model_dir, precision="exact")
+    V = fast.model.args.vocab_size
+    assert FAST_SC_TOP_K == 64 < V
+    assert fast.step(SamplerParams()).sc_top_k == 64  # the runtime's step: the precision's k
+    assert exact.step(SamplerParams()).sc_top_k is None
+    assert fast.step(SamplerParams(sc_top_k=16)).sc_top_k == 16  # a request's own k wins
+    assert fast.step(SamplerParams(sc_top_k=V)).sc_top_k is None  # all = exact

@@ -21,9 +21,9 @@ import pytest
 
 from mlx.utils import tree_flatten
 
-from mlx_dgemma import distributed, generate, load
+from mlx_dgemma import distributed, generate, load, load_demo
 from mlx_dgemma.convert.converter import convert
-from mlx_dgemma.demo import load_demo, trained_demo_path
+from mlx_dgemma.demo import trained_demo_path
 from mlx_dgemma.distributed import Split, load_shards, param_slices, take
 from mlx_dgemma.errors import ParameterError
 from mlx_dgemma.loader import build_model
@@ -84,8 +84,9 @@ def test_generate_cli_under_mlx_launch():
     assert len(lines) == 1, r.stdout + r.stderr
     res = json.loads(lines[0])
     assert res["ranks"] == 2
-    model, tok = load_demo()
-    assert res["text"] == generate(model, tok, "In the beginning", seed=0, max_denoising_steps=8, max_new_tokens=64)
+    rt = load_demo()
+    model, tok = rt.model, rt.tokenizer
+    assert res["text"] == generate(rt, "In the beginning", seed=0, max_denoising_steps=8, max_new_tokens=64)
 
 
 def test_chat_refuses_several_ranks(monkeypatch, capsys):
@@ -292,7 +293,7 @@ def _full_shapes(model) -> dict:
 def test_rank_slices_read_from_disk_are_the_full_tensors_slices(all_types_model_dir):
     """Every ggml type (padded 16-element sub-blocks included): what a rank reads from the files
     equals slicing the fully loaded tensor, and the two ranks' parts cover it."""
-    full_model, _ = load(all_types_model_dir, precision="exact")
+    full_model = load(all_types_model_dir, precision="exact").model
     full = dict(tree_flatten(full_model.parameters()))
     files = model_dir_shards(all_types_model_dir)
     parts = []
@@ -316,7 +317,7 @@ def test_rank_slices_read_from_disk_are_the_full_tensors_slices(all_types_model_
 def test_padded_input_split_sums_to_the_full_product(all_types_model_dir):
     """A quantized layer split along its input (o_proj, down_proj) with padded 16-element
     sub-blocks: the two ranks' partial products add up to the whole layer's output."""
-    model, _ = load(all_types_model_dir, precision="exact")
+    model = load(all_types_model_dir, precision="exact").model
     padded = [(p, m) for p, m in model.named_modules()
               if getattr(m, "subblock", 32) == 16 and p.endswith(("o_proj", "down_proj")) and "experts" not in p]
     assert padded, "the all-types model has no padded input-split layer"

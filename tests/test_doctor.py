@@ -23,13 +23,14 @@ def doctor_args(*argv: str):
 @pytest.fixture(scope="module")
 def demo_outputs():
     """One run of the demo on each side (the comparison's inputs), shared by the unit tests."""
-    from mlx_dgemma.demo import load_demo
+    from mlx_dgemma import load_demo
     from mlx_dgemma.sampler import SamplerParams
 
-    model, tok = load_demo(precision="exact")
-    params = SamplerParams.from_config(model.generation_config)
+    rt = load_demo(precision="exact")
+    model, tok = rt.model, rt.tokenizer
+    params = SamplerParams.from_config(rt.generation_config)
     inp = doctor.fixed_input(model.args, tok.encode(doctor.FIXED_PROMPT), model.args.canvas_length, params.t_max)
-    return doctor.subject_and_reference(model, inp, model.activation_dtype, params)
+    return doctor.subject_and_reference(model, inp, rt.activation_dtype, params)
 
 
 def test_quick_run_exits_0_and_says_there_is_no_gpu(capsys):

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 import shutil
-from types import SimpleNamespace
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_dgemma import ChatSession, generate, load, stream_generate
+from mlx_dgemma.cache import KVCache
 from mlx_dgemma.chat_template import render_chat
 from mlx_dgemma.cli import main
 from mlx_dgemma.errors import ModelFilesError, ParameterError
-from mlx_dgemma.generation import BlockEvent, DoneEvent, PrefillEvent, StepEvent, _run
+from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
+from mlx_dgemma.generation import _run
+from mlx_dgemma.runtime import Runtime
 from mlx_dgemma.sampler import SamplerParams
+from tests.model_fakes import layerless_args
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +53,9 @@ def test_cli_streams_text_and_summary(tiny_model_dir, capsys):
 
 
 def test_stream_events(loaded):
-    model, tok = loaded
-    events = list(stream_generate(model, tok, "Hello", generation_config=model.generation_config, seed=0,
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
+    events = list(stream_generate(rt, "Hello", generation_config=rt.generation_config, seed=0,
                                   max_denoising_steps=5, max_new_tokens=64))
     assert isinstance(events[0], PrefillEvent) and isinstance(events[-1], DoneEvent)
     steps = [e for e in events if isinstance(e, StepEvent)]
@@ -70,14 +75,14 @@ def test_stream_events(loaded):
     assert done.tokens_per_forward == pytest.approx(valid / done.steps)
     assert done.prefill_tokens_per_second > 0 and done.seconds_per_step > 0
     assert blocks[-1].tokens == tuple(done.tokens[-C:])
-    assert generate(model, tok, "Hello", generation_config=model.generation_config, seed=0,
+    assert generate(rt, "Hello", generation_config=rt.generation_config, seed=0,
                     max_denoising_steps=5, max_new_tokens=64) == done.text
 
 
 def test_compiled_step_matches_eager(loaded):
     from mlx_dgemma.step import StepFunction
 
-    model, _ = loaded
+    model = loaded.model
     p = SamplerParams(max_denoising_steps=8)
     cache = model.make_cache()
     model.prefill(mx.array([list(range(5, 45))], dtype=mx.int32), cache)
@@ -99,14 +104,18 @@ def test_compiled_step_matches_eager(loaded):
 
 
 class EosModel:
-    """A fake decoder that puts <turn|> at position 5 with full confidence."""
+    """A fake decoder that puts <turn|> at position 5 with full confidence (no layers: a real,
+    empty cache)."""
+
+    group = None
+    activation_dtype = mx.float32
 
     def __init__(self, C=16, V=200):
-        self.args = SimpleNamespace(canvas_length=C, vocab_size=V, max_position_embeddings=10_000)
+        self.args = layerless_args(C, V)
         self.prefills = []
 
     def make_cache(self):
-        return SimpleNamespace(offset=0)
+        return KVCache(self.args)
 
     def prefill(self, ids, cache, dtype=None):
         self.prefills.append(ids.shape[1])
@@ -125,10 +134,9 @@ class EosModel:
 
 
 def test_eos_stops_and_pads(loaded):
-    _, tok = loaded
     model = EosModel()
     p = SamplerParams(max_new_tokens=48, max_denoising_steps=8)
-    events = list(_run(model, tok, model.make_cache(), [2, 5, 6], p, mx.float32, None, 0))
+    events = list(_run(Runtime(model, loaded.tokenizer), model.make_cache(), [2, 5, 6], p, mx.float32, None, 0))
     done = events[-1]
     assert done.finish_reason == "eos"
     assert len(done.tokens) == 16  # one block, not three
@@ -138,21 +146,23 @@ def test_eos_stops_and_pads(loaded):
 
 
 def test_cancel(loaded):
-    model, tok = loaded
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
     n = {"steps": 0}
 
     def cancel():
         n["steps"] += 1
         return n["steps"] >= 2
 
-    done = list(stream_generate(model, tok, "Hi", generation_config=model.generation_config, seed=0,
+    done = list(stream_generate(rt, "Hi", generation_config=rt.generation_config, seed=0,
                                 max_denoising_steps=10, cancel=cancel))[-1]
     assert done.finish_reason == "cancelled" and done.steps == 2 and done.tokens == ()
 
 
 def test_session_prefills_only_new_tokens(loaded):
-    model, tok = loaded
-    session = ChatSession(model, tok, model.generation_config)
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
+    session = ChatSession(rt)
     first = list(session.stream("Why is the sky blue?", seed=0, max_denoising_steps=4, max_new_tokens=32))
     n1 = first[0].tokens
     # the cache holds the conversation as a fresh render holds it: the user's turn and the answer
@@ -178,18 +188,20 @@ def test_session_prefills_only_new_tokens(loaded):
     ({"temperature": 1.0}, "unknown generation parameter"),
 ])
 def test_invalid_parameters(loaded, kwargs, match):
-    model, tok = loaded
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
     with pytest.raises(ParameterError, match=match):
-        list(stream_generate(model, tok, "Hi", **kwargs))
+        list(stream_generate(rt, "Hi", **kwargs))
 
 
 def test_prompt_errors(loaded):
-    model, tok = loaded
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
     with pytest.raises(ParameterError, match="prompt: empty"):
-        list(stream_generate(model, tok, "   "))
+        list(stream_generate(rt, "   "))
     long_prompt = list(range(5, 200)) * 25  # 4875 tokens > the tiny model's 4096 context
     with pytest.raises(ParameterError, match="exceed the context of 4096"):
-        list(stream_generate(model, tok, long_prompt))
+        list(stream_generate(rt, long_prompt))
 
 
 def test_cli_errors_are_one_line(tiny_model_dir, tmp_path, capsys):
@@ -221,16 +233,16 @@ def test_cli_sampler_errors_name_the_flag_typed(tiny_model_dir, capsys, flags, e
 
 
 def test_generate_uses_the_models_generation_config_by_default(tiny_model_dir):
-    model, tok = load(tiny_model_dir)  # its own copy: the generation config is changed below
-    model.generation_config = {**model.generation_config, "max_denoising_steps": 1, "max_new_tokens": 64}
-    events = list(stream_generate(model, tok, "Hello", seed=0))  # no generation_config passed
+    rt = load(tiny_model_dir)
+    rt = replace(rt, generation_config={**rt.generation_config, "max_denoising_steps": 1, "max_new_tokens": 64})
+    events = list(stream_generate(rt, "Hello", seed=0))  # no generation_config passed
     steps = [e for e in events if isinstance(e, StepEvent)]
     assert steps and all(e.max_steps == 1 and e.step == 1 for e in steps)
     assert len(events[-1].tokens) <= 64
-    session = ChatSession(model, tok)
+    session = ChatSession(rt)
     assert session.params.max_denoising_steps == 1 and session.params.max_new_tokens == 64
     # an explicit config still wins over the model's
-    explicit = [e for e in stream_generate(model, tok, "Hello", generation_config={"max_denoising_steps": 3},
+    explicit = [e for e in stream_generate(rt, "Hello", generation_config={"max_denoising_steps": 3},
                                            max_new_tokens=32, seed=0) if isinstance(e, StepEvent)]
     assert explicit[0].max_steps == 3
 
@@ -240,24 +252,26 @@ def test_answers_share_one_traced_step(tiny_model_dir, monkeypatch):
     decoder is traced once per self-conditioning variant, not once per answer; a different
     traced sampler field or a new precision traces again; no finished answer's cache is kept."""
     from mlx_dgemma.precision import apply_precision, resolve_precision
-    from mlx_dgemma.step import StepFunction
 
-    model, tok = load(tiny_model_dir, precision="exact")
+    rt = load(tiny_model_dir, precision="exact")
+    model = rt.model
     traces = []
     real = type(model).denoise
     monkeypatch.setattr(type(model), "denoise", lambda self, *a, **k: (traces.append(1), real(self, *a, **k))[1])
     run = dict(seed=0, max_denoising_steps=3, max_new_tokens=32)
-    list(stream_generate(model, tok, "Hello", **run))
+    list(stream_generate(rt, "Hello", **run))
     first = len(traces)
     assert first == 2  # compiled: the body runs only while tracing (with and without self-conditioning)
-    list(stream_generate(model, tok, "Another question", **{**run, "seed": 5}))
+    list(stream_generate(rt, "Another question", **{**run, "seed": 5}))
     assert len(traces) == first
-    shared = StepFunction.shared(model, SamplerParams.from_config(model.generation_config))
-    assert shared._cache is None
-    list(stream_generate(model, tok, "Hello", entropy_bound=0.5, **run))
+    shared = rt.step(SamplerParams.from_config(rt.generation_config))
+    assert len(rt.steps) == 1 and shared._cache is None
+    list(stream_generate(rt, "Hello", entropy_bound=0.5, **run))
     assert len(traces) == first + 2
-    apply_precision(model, resolve_precision("fast", None))
-    list(stream_generate(model, tok, "Hello", **run))
+    fast = resolve_precision("fast", None)
+    apply_precision(model, fast)
+    rt = Runtime(model, rt.tokenizer, rt.generation_config, fast)  # new weights: a new runtime, no old steps
+    list(stream_generate(rt, "Hello", **run))
     assert len(traces) == first + 4
 
 

@@ -16,9 +16,11 @@ gd = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusi
 
 from transformers.generation.logits_process import LogitsProcessorList  # noqa: E402
 
-from mlx_dgemma.generation import BlockResult, StepEvent, denoise_block  # noqa: E402
+from mlx_dgemma.events import StepEvent  # noqa: E402
+from mlx_dgemma.generation import BlockResult, denoise_block  # noqa: E402
 from mlx_dgemma.sampler import SamplerParams  # noqa: E402
 from mlx_dgemma.step import StepFunction  # noqa: E402
+from tests.model_fakes import ScriptedDecoder  # noqa: E402
 
 C, V = 24, 60
 
@@ -33,22 +35,6 @@ def scripted_logits(n_steps: int, seed: int) -> list[np.ndarray]:
         x[0, np.arange(C), target] += 2.0 + 3.0 * s
         out.append(x)
     return out
-
-
-class FakeModel:
-    """Returns scripted logits; records the self-conditioning inputs it is given."""
-
-    def __init__(self, logits):
-        self.logits = logits
-        self.args = SimpleNamespace(canvas_length=C, vocab_size=V)
-        self.sc_inputs = []
-        self.calls = 0
-
-    def denoise(self, canvas, cache, sc, dtype=None, sc_top_k=None):
-        self.sc_inputs.append(None if sc is None else np.array(sc))
-        out = mx.array(self.logits[self.calls])
-        self.calls += 1
-        return out
 
 
 def reference_loop(logits, p: SamplerParams):
@@ -90,9 +76,9 @@ def test_loop_matches_reference(seed, k):
                       entropy_bound=0.3)
     logits = scripted_logits(12, seed)
     masks, steps, committed, seen_sc = reference_loop(logits, p)
-    model = FakeModel(logits)
+    model = ScriptedDecoder(logits, C, V)
     # eager step: the fake decoder reads its inputs on the host, which a compiled trace forbids
-    events = list(denoise_block(model, None, p, mx.random.key(seed), step_fn=StepFunction(model, p, compile=False)))
+    events = list(denoise_block(StepFunction(model, p, compile=False), model.make_cache(), p, mx.random.key(seed)))
     result = events[-1]
     steps_ev = [e for e in events if isinstance(e, StepEvent)]
     assert isinstance(result, BlockResult)

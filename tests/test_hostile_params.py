@@ -89,7 +89,8 @@ def test_sampler_params_reject_wrong_types():
 def test_non_finite_logits_name_the_step(tiny_model_dir):
     from mlx.utils import tree_flatten, tree_unflatten
 
-    model, tok = load(tiny_model_dir)
+    rt = load(tiny_model_dir)
+    model, tok = rt.model, rt.tokenizer
     flat = dict(tree_flatten(model.parameters()))
     # poison the top-level norms: the logits become NaN (before: exit 0 and a blank answer)
     norms = [k for k in flat if k.endswith("norm.weight") and "layers" not in k]
@@ -98,4 +99,4 @@ def test_non_finite_logits_name_the_step(tiny_model_dir):
         flat[k] = mx.full(flat[k].shape, float("nan"))
     model.update(tree_unflatten(list(flat.items())))
     with pytest.raises(NonFiniteError, match=r"block 1, step \d+: .*NaN or Inf"):
-        list(stream_generate(model, tok, "hi", seed=0, max_denoising_steps=3, max_new_tokens=8))
+        list(stream_generate(rt, "hi", seed=0, max_denoising_steps=3, max_new_tokens=8))

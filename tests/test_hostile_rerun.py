@@ -161,9 +161,10 @@ def test_a_long_message_within_the_limit_is_not_blamed_on_the_template():
 def test_a_huge_prompt_through_generation_is_named(tiny_model_dir):
     from mlx_dgemma import load, stream_generate
 
-    model, tok = load(tiny_model_dir)
+    rt = load(tiny_model_dir)
+    model, tok = rt.model, rt.tokenizer
     with pytest.raises(ParameterError, match=r"^messages\[0\]: the user message has 5,000,000 characters"):
-        list(stream_generate(model, tok, "w " * 2_500_000, max_new_tokens=8))
+        list(stream_generate(rt, "w " * 2_500_000, max_new_tokens=8))
 
 
 # --------------------------------------------------------------------------- generation rules
@@ -211,8 +212,9 @@ def test_a_refused_chat_message_is_not_kept(tiny_model_dir):
     from mlx_dgemma.events import DoneEvent
     from mlx_dgemma.generation import ChatSession
 
-    model, tok = load(tiny_model_dir)
-    chat = ChatSession(model, tok, system="be brief")
+    rt = load(tiny_model_dir)
+    model, tok = rt.model, rt.tokenizer
+    chat = ChatSession(rt, system="be brief")
     with pytest.raises(ParameterError, match=r"^messages\[1\]: the user message"):
         list(chat.stream("v" * (PROMPT_CHARS + 1)))
     assert chat.messages == [{"role": "system", "content": "be brief"}]

@@ -22,10 +22,11 @@ def home(tmp_path, monkeypatch):
 def test_load_expands_home_and_variables(home, tiny_model_dir, monkeypatch):
     (home / "models").mkdir()
     (home / "models" / "dgemma").symlink_to(tiny_model_dir)
-    model, tok = load("~/models/dgemma")  # README's snippet, as written
+    rt = load("~/models/dgemma")  # README's snippet, as written
+    model, tok = rt.model, rt.tokenizer
     assert model.args.canvas_length == 32 and tok.encode("hi")
     monkeypatch.setenv("DGEMMA_MODELS", str(home / "models"))
-    assert load("$DGEMMA_MODELS/dgemma")[0].args.vocab_size == model.args.vocab_size
+    assert load("$DGEMMA_MODELS/dgemma").model.args.vocab_size == model.args.vocab_size
 
 
 def test_cli_paths_expand_home(home, tiny_gguf, capsys):

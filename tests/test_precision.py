@@ -19,7 +19,6 @@ from mlx_dgemma.errors import ParameterError
 from mlx_dgemma.loader import load_dir
 from mlx_dgemma.precision import Precision, quantized_dtype_report, resolve_precision
 from mlx_dgemma.sampler import SamplerParams
-from mlx_dgemma.step import StepFunction
 
 # fast vs exact on the tiny random Q4_K_M model (3 layers, canvas 32), measured with
 # logit_agreement: max |err| / max |logit| at step 1 / with self-conditioning, and top-1
@@ -34,12 +33,12 @@ BOUNDS = {"float32": (0.6, 0.9), "bfloat16": (0.8, 0.9)}
 
 @pytest.fixture(scope="module")
 def exact(tiny_model_dir):
-    return load(tiny_model_dir, precision="exact")[0]
+    return load(tiny_model_dir, precision="exact").model
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def fast(request, tiny_model_dir):
-    return load(tiny_model_dir, precision="fast", dtype=request.param)[0]
+    return load(tiny_model_dir, precision="fast", dtype=request.param).model
 
 
 def test_resolve_precision():
@@ -95,12 +94,13 @@ def _record_quantized_matmuls(monkeypatch) -> list[tuple[str, mx.Dtype, mx.Dtype
 
 
 def test_compiled_fast_step_has_no_float32_quantized_matmul(tiny_model_dir, monkeypatch):
-    model, _ = load(tiny_model_dir, precision="fast", dtype="bfloat16")
+    rt = load(tiny_model_dir, precision="fast", dtype="bfloat16")
+    model = rt.model
     calls = _record_quantized_matmuls(monkeypatch)
     C, V = model.args.canvas_length, model.args.vocab_size
     cache = model.make_cache()
     model.prefill(mx.array([[5, 6, 7, 8]]), cache)
-    step = StepFunction(model, SamplerParams(), compile=True)
+    step = rt.step(SamplerParams())  # compiled, in the precision's bfloat16
     canvas = mx.random.randint(0, V, (1, C)).astype(mx.int32)
     hist = step.initial_history((1, C))
     calls.clear()
@@ -145,24 +145,38 @@ def test_bench_child_that_dies_is_reported_not_waited_for():
     assert "died" in res["skipped"] and "-11" in res["skipped"]
 
 
-def test_real_q6k_blocks_requantize_closely(gemma3_reader):
-    """The fast form's only weight change on the CPU, on real llama.cpp Q6_K data (Gemma 3 270M)."""
+def test_real_q6k_blocks_requantize_within_the_formats_step(gemma3_reader):
+    """Our re-quantizer (``tiers.requantize``, what fast and ``convert --precision`` store) on real
+    llama.cpp Q6_K data (Gemma 3 270M), its output read back by MLX's own ``dequantize``: every
+    group of 32 errs by no more than rounding to the 8-bit grid of that group's range allows
+    (half a step, plus the float16 rounding of its scale and bias) and the whole tensor by no
+    more than uniform rounding on those grids (step^2 / 12): bounds taken from the format, not
+    from a measurement of ours."""
     from gguf.quants import dequantize as gguf_dequantize
 
-    from mlx_dgemma.precision import FAST_BITS, FAST_GROUP
+    from mlx_dgemma.tiers import FAST_BITS, FAST_GROUP, Target, requantize
 
     q6 = [t for t in gemma3_reader.tensors if t.tensor_type.name == "Q6_K"]
     assert q6
     t = q6[0]
     raw = np.asarray(t.data)
     raw = raw.reshape(-1, raw.shape[-1])[:1024]
-    w = gguf_dequantize(raw, t.tensor_type).reshape(raw.shape[0], int(t.shape[0]))
-    q, s, b = mx.quantize(mx.array(w), group_size=FAST_GROUP, bits=FAST_BITS)
-    r = np.array(mx.dequantize(q, s, b, group_size=FAST_GROUP, bits=FAST_BITS))
-    rel_rms = float(np.sqrt(((r - w) ** 2).mean() / (w**2).mean()))
-    # measured 0.0049 on this tensor (0.0048-0.0050 on every Q6_K tensor of the file); mlx-vlm's
-    # stock 4-bit g64 re-quantization of the same blocks: 0.097
-    assert 0 < rel_rms < 0.01, rel_rms
+    w = gguf_dequantize(raw, t.tensor_type).reshape(raw.shape[0], int(t.shape[0])).astype(np.float32)
+    r = requantize(w, Target(FAST_BITS, FAST_GROUP))
+    back = np.array(mx.dequantize(mx.array(r.weight), mx.array(r.scales).astype(mx.float32),
+                                  mx.array(r.biases).astype(mx.float32), group_size=FAST_GROUP, bits=FAST_BITS))
+    g, e = w.reshape(-1, FAST_GROUP), (back - w).reshape(-1, FAST_GROUP)
+    lo, hi = g.min(-1), g.max(-1)
+    half_step = (hi - lo) / (2 * ((1 << FAST_BITS) - 1))
+    fp16 = 2.0 ** -11  # float16's relative rounding: the bias (~lo) and the scale times up to 255 steps (~hi - lo)
+    per_element = half_step + (np.abs(lo) + (hi - lo)) * fp16
+    # least-squares refits may move single values past half a step, never a group's squared error
+    assert np.all((e * e).sum(-1) <= FAST_GROUP * per_element**2 * (1 + 1e-6))
+    # and over the ~20k groups, no more than rounding to each group's grid costs on average
+    # (uniform rounding error: step^2 / 12; refits only lower it)
+    assert (e * e).sum() <= FAST_GROUP * ((2 * half_step) ** 2).sum() / 12
+    assert np.abs(e).max() > 0  # a lossy form: the check above had something to bound
+    assert r.max_abs_error == pytest.approx(float(np.abs(e).max()), rel=1e-6)  # its own report agrees
 
 
 def test_exact_weights_stay_quantized(tiny_model_dir):
@@ -174,3 +188,12 @@ def test_exact_weights_stay_quantized(tiny_model_dir):
     stored = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
     in_memory = sum(v.nbytes for v in params.values())
     assert in_memory <= stored  # nothing expanded at load time
+
+
+def test_a_runtime_refuses_a_precision_its_model_is_not_in(tiny_model_dir):
+    from mlx_dgemma.runtime import Runtime
+
+    rt = load(tiny_model_dir, precision="fast", dtype="bfloat16")
+    assert rt.activation_dtype == rt.model.activation_dtype == mx.bfloat16
+    with pytest.raises(ParameterError, match="does not match the model's activations"):
+        Runtime(rt.model, rt.tokenizer)  # the default, exact (float32), claimed for bfloat16 activations

@@ -9,7 +9,7 @@ import pytest
 from mlx_dgemma import ChatSession, load, stream_generate
 from mlx_dgemma import memory
 from mlx_dgemma.errors import MemoryBudgetError, ParameterError
-from mlx_dgemma.generation import DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
+from mlx_dgemma.events import DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,9 @@ def _ids(model, n: int) -> list[int]:
 
 
 def test_progress_events_then_prefill_event(loaded):
-    model, tok = loaded
-    events = list(stream_generate(model, tok, _ids(model, 100), generation_config=model.generation_config, seed=0,
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
+    events = list(stream_generate(rt, _ids(model, 100), generation_config=rt.generation_config, seed=0,
                                   max_denoising_steps=2, max_new_tokens=8, prefill_chunk_size=32))
     progress = [e for e in events if isinstance(e, PrefillProgressEvent)]
     assert [(e.tokens_done, e.tokens_total) for e in progress] == [(32, 100), (64, 100), (96, 100), (100, 100)]
@@ -34,18 +35,20 @@ def test_progress_events_then_prefill_event(loaded):
 
 
 def test_chunk_size_does_not_change_the_answer(loaded):
-    model, tok = loaded
-    kw = dict(generation_config=model.generation_config, seed=4, max_denoising_steps=3, max_new_tokens=40)
-    a = [e for e in stream_generate(model, tok, _ids(model, 70), prefill_chunk_size=None, **kw)][-1]
-    b = [e for e in stream_generate(model, tok, _ids(model, 70), prefill_chunk_size=9, **kw)][-1]
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
+    kw = dict(generation_config=rt.generation_config, seed=4, max_denoising_steps=3, max_new_tokens=40)
+    a = [e for e in stream_generate(rt, _ids(model, 70), prefill_chunk_size=None, **kw)][-1]
+    b = [e for e in stream_generate(rt, _ids(model, 70), prefill_chunk_size=9, **kw)][-1]
     assert a.tokens == b.tokens
 
 
 def test_cancel_between_chunks_stops_before_denoising(loaded):
-    model, tok = loaded
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
     seen = []
     events = []
-    for ev in stream_generate(model, tok, _ids(model, 100), generation_config=model.generation_config, seed=0,
+    for ev in stream_generate(rt, _ids(model, 100), generation_config=rt.generation_config, seed=0,
                               prefill_chunk_size=25, cancel=lambda: bool(seen)):
         events.append(ev)
         if isinstance(ev, PrefillProgressEvent):
@@ -56,8 +59,9 @@ def test_cancel_between_chunks_stops_before_denoising(loaded):
 
 
 def test_chat_session_recovers_after_a_stopped_prefill(loaded):
-    model, tok = loaded
-    s = ChatSession(model, tok, model.generation_config)
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
+    s = ChatSession(rt)
     s.prefill_chunk_size = 8
     long_text = "tell me " * 30
     for ev in s.stream(long_text, seed=0, max_denoising_steps=2, max_new_tokens=8):
@@ -67,34 +71,36 @@ def test_chat_session_recovers_after_a_stopped_prefill(loaded):
     done = [e for e in s.stream("Hi", seed=0, max_denoising_steps=2, max_new_tokens=8)][-1]
     assert isinstance(done, DoneEvent)
     assert s.cache.offset == len(s.history)  # the cache was rebuilt to match the conversation
-    fresh = ChatSession(model, tok, model.generation_config)
+    fresh = ChatSession(rt)
     assert [e for e in fresh.stream("Hi", seed=0, max_denoising_steps=2, max_new_tokens=8)][-1].tokens == done.tokens
 
 
 def test_prompt_beyond_context_is_refused_up_front(loaded, monkeypatch):
-    model, tok = loaded
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
     calls = []
     monkeypatch.setattr(model, "prefill_chunks", lambda *a, **k: calls.append(1) or iter(()))
     limit = model.args.max_position_embeddings
     with pytest.raises(ParameterError, match="exceed the context"):
-        next(stream_generate(model, tok, _ids(model, limit), generation_config=model.generation_config))
+        next(stream_generate(rt, _ids(model, limit), generation_config=rt.generation_config))
     assert not calls
 
 
 def test_memory_refusal_is_one_line_and_before_any_work(loaded, monkeypatch):
-    model, tok = loaded
+    rt = loaded
+    model, tok = rt.model, rt.tokenizer
     calls = []
     monkeypatch.setattr(model, "prefill_chunks", lambda *a, **k: calls.append(1) or iter(()))
     monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 20)
     with pytest.raises(MemoryBudgetError) as e:
-        next(stream_generate(model, tok, _ids(model, 2000), generation_config=model.generation_config))
+        next(stream_generate(rt, _ids(model, 2000), generation_config=rt.generation_config))
     msg = str(e.value)
     assert "\n" not in msg and "2000 tokens" in msg and "1 MB is available" in msg and "shorten the prompt" in msg
     assert not calls
 
 
 def test_estimate_matches_the_real_cache_and_grows_linearly(loaded):
-    model, _ = loaded
+    model = loaded.model
     a = model.args
     for n in (10, 300, 1500):
         cache = model.make_cache()

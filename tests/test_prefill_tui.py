@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from mlx_dgemma.generation import DoneEvent, PrefillProgressEvent
+from mlx_dgemma.events import DoneEvent, PrefillProgressEvent
 from mlx_dgemma.tui.app import DGemmaApp
 
 from .test_tui import SIZE, done, screen, send, wait_for
@@ -24,11 +24,14 @@ class SlowPrefillBackend(ScriptedBackend):
         for i in range(1, 11):
             time.sleep(0.05)
             self.chunks = i
-            yield PrefillProgressEvent(1000 * i, 10_000, 0.05 * i)
+            yield PrefillProgressEvent(tokens_done=1000 * i, tokens_total=10_000, seconds=0.05 * i)
             while i >= 2 and not cancel():  # hold after the second chunk until the user cancels
                 time.sleep(0.02)
             if cancel():
-                yield DoneEvent("", "", (), "cancelled", 10_000, 0.05 * i, 0.0, 0, (), 0.0, 0.0, 0.0, 0)
+                yield DoneEvent(text="", thinking="", tokens=(), finish_reason="cancelled", prompt_tokens=10_000,
+                                prefill_seconds=0.05 * i, prefill_tokens_per_second=0.0, steps=0, steps_per_block=(),
+                                seconds_per_step=0.0, tokens_per_forward=0.0, generation_seconds=0.0,
+                                peak_memory_bytes=0)
                 return
 
 

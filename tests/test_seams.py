@@ -14,13 +14,12 @@ from mlx_dgemma.loader import open_model
 def no_loading(monkeypatch):
     """Loading anything fails the test: the checks must come first."""
     import mlx_dgemma.loader
-    import mlx_dgemma.demo
 
     def refuse(*a, **kw):
         raise AssertionError("loaded before the arguments were checked")
 
     monkeypatch.setattr(mlx_dgemma.loader, "load", refuse)
-    monkeypatch.setattr(mlx_dgemma.demo, "load_demo", refuse)
+    monkeypatch.setattr(mlx_dgemma.loader, "load_demo", refuse)
 
 
 @pytest.mark.parametrize("model, demo, precision, dtype, expected", [
@@ -61,8 +60,7 @@ def test_cli_server_and_chat_app_load_through_open_model(calls, tiny_gguf, capsy
     from mlx_dgemma.server import load_model
     from mlx_dgemma.tui.engine import ModelBackend
 
-    model, _ = load_for_cli(str(tiny_gguf), False, "float32", "fast")
-    assert model.precision.label == "fast (float32)"
+    assert load_for_cli(str(tiny_gguf), False, "float32", "fast").precision.label == "fast (float32)"
     assert "loading" in capsys.readouterr().err  # the CLI's stderr bar
     load_model(str(tiny_gguf), False, None, "exact")
     lines: list[str] = []
@@ -92,9 +90,9 @@ def test_generation_and_the_chat_app_read_the_same_probe(monkeypatch, tiny_model
 
     monkeypatch.setattr(memory, "memory_bytes", lambda: 12_345_678)
     assert ModelBackend(model=str(tiny_model_dir)).memory_bytes() == 12_345_678
-    model, tok = load(tiny_model_dir, precision="exact")
+    rt = load(tiny_model_dir, precision="exact")
     monkeypatch.setattr(mx, "get_peak_memory", lambda: 5 << 30)  # as a GPU would report it
-    events = list(stream_generate(model, tok, "Hi", max_new_tokens=8, max_denoising_steps=2, seed=0))
+    events = list(stream_generate(rt, "Hi", max_new_tokens=8, max_denoising_steps=2, seed=0))
     done = events[-1]
     assert isinstance(done, DoneEvent) and done.peak_memory_bytes == 5 << 30
 

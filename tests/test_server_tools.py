@@ -118,7 +118,7 @@ def test_the_answer_holds_calls_and_text_apart():
     from mlx_dgemma.loader import open_model
     from mlx_dgemma.server.openai import Answer
 
-    _, tok = open_model(None, True, "auto", None)
+    tok = open_model(None, True, "auto", None).tokenizer
     text = "Checking.<|tool_call>call:f{q:" + Q + "x" + Q + "}<tool_call|><|tool_call>call:g{a:}<tool_call|>"
     ids = tok.encode(text) + tok.encode("<|tool_response>")
     a = Answer(tok, (1,), tools=True)

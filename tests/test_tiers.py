@@ -122,9 +122,10 @@ def test_tier_is_the_same_from_gguf_directory_and_conversion(tmp_path, tiny_gguf
     out = tmp_path / tier
     report = convert(tiny_gguf, out, precision=tier)
     assert json.loads((out / "config.json").read_text())["mlx_dgemma"]["weights"] == tier
-    a = load(tiny_gguf, precision=tier)[0]
-    b = load(tiny_model_dir, precision=tier)[0]
-    c = load(out, precision=tier)[0]
+    loaded = load(tiny_gguf, precision=tier)
+    a = loaded.model
+    b = load(tiny_model_dir, precision=tier).model
+    c = load(out, precision=tier).model
     pa, pb, pc = (dict(tree_flatten(m.parameters())) for m in (a, b, c))
     assert pa.keys() == pb.keys() == pc.keys()
     for k in pa:
@@ -133,7 +134,7 @@ def test_tier_is_the_same_from_gguf_directory_and_conversion(tmp_path, tiny_gguf
     layers = a.args.num_hidden_layers
     assert bits["layers.1.experts.gate_up_proj"] == (4 if tier == "q4" else 3)
     assert bits[f"layers.{layers - 1}.experts.gate_up_proj"] == 4
-    assert a.precision.name == tier
+    assert loaded.precision.name == tier
     assert report.max_abs_error and max(report.max_abs_error.values()) > 0
     assert verify(out, tiny_gguf).ok
 
@@ -157,8 +158,7 @@ def test_loading_a_tier_directory_more_exactly_is_refused(tmp_path, tiny_gguf, c
     assert main(["generate", "--model", str(out), "--precision", "fast", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "q4" in err[0] and "--precision" in err[0]
-    model, _ = load(out)  # auto: the stored form
-    assert model.precision.name == "q4"
+    assert load(out).precision.name == "q4"  # auto: the stored form
 
 
 # -- convert --compact (= --precision fast): bugs ------------------------------------------------
@@ -332,14 +332,15 @@ def test_every_tier_on_the_trained_kquant_demo(kquant_demo):
     from mlx_dgemma.bench.studies import confident_agreement
     from mlx_dgemma.demo import demo_file
 
-    original, tok = load(demo_file("trained"), precision="exact")
-    exact, _ = load(kquant_demo, precision="exact")
+    rt = load(demo_file("trained"), precision="exact")
+    original, tok = rt.model, rt.tokenizer
+    exact = load(kquant_demo, precision="exact").model
     yard = confident_agreement(original, exact, tok)
     miss = 1 - yard["step_top1_confident"]
     assert yard["step_confident_positions"] >= 30
     floor = {"fast": 1 - miss, "q4": 1 - miss - 0.05, "q3": 1 - 2 * miss - 0.05}
     for p, bound in floor.items():
-        m = confident_agreement(exact, load(kquant_demo, precision=p)[0], tok)
+        m = confident_agreement(exact, load(kquant_demo, precision=p).model, tok)
         for step in ("step", "sc_step"):
             assert m[f"{step}_top1_confident"] >= bound, (p, step, m, yard)
             assert m[f"{step}_top1"] >= 0.95, (p, step, m)

@@ -667,12 +667,17 @@ def test_the_summary_of_a_cancelled_prefill_names_no_steps():
     from mlx_dgemma.events import DoneEvent
     from mlx_dgemma.tui.widgets.status import summary_parts
 
-    done = DoneEvent("", "", (), "cancelled", 900, 1.5, 0.0, 0, (), 0.0, 0.0, 0.0, 100_000_000, "exact (float32)")
+    done = DoneEvent(text="", thinking="", tokens=(), finish_reason="cancelled", prompt_tokens=900,
+                     prefill_seconds=1.5, prefill_tokens_per_second=0.0, steps=0, steps_per_block=(),
+                     seconds_per_step=0.0, tokens_per_forward=0.0, generation_seconds=0.0,
+                     peak_memory_bytes=100_000_000, precision="exact (float32)")
     text = " | ".join(t for t, _ in summary_parts(done, None))
     assert text.startswith("cancelled during the prefill")
     for undefined in ("step", "s/step", "tok/fwd", "prefill 0", "replay"):
         assert undefined not in text.replace("the prefill", ""), text
-    one = DoneEvent("a", "", (1,), "length", 9, 0.1, 90.0, 1, (1,), 0.5, 1.0, 0.6, 1, "")
+    one = DoneEvent(text="a", thinking="", tokens=(1,), finish_reason="length", prompt_tokens=9, prefill_seconds=0.1,
+                    prefill_tokens_per_second=90.0, steps=1, steps_per_block=(1,), seconds_per_step=0.5,
+                    tokens_per_forward=1.0, generation_seconds=0.6, peak_memory_bytes=1, precision="")
     text = " | ".join(t for t, _ in summary_parts(one))
     assert text.startswith("stopped: max new tokens reached | 1 block | 1 step |"), text
 

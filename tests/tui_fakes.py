@@ -53,7 +53,7 @@ class ScriptedBackend:
         self.prompts.append((prompt, params))
         self.thinks.append(think)
         C, N = self.canvas_length, self.steps
-        yield PrefillEvent(20, 0.5)
+        yield PrefillEvent(tokens=20, seconds=0.5)
         out, done_steps = [], 0
         for b in range(self.blocks):
             target = (np.arange(C) + b * C) % len(WORDS)
@@ -70,15 +70,22 @@ class ScriptedBackend:
                     a.setflags(write=False)
                 done_steps += 1
                 self.produced += 1
-                yield StepEvent(b + 1, s, 48, canvas, draft, accepted, entropy, float(entropy.mean()),
-                                0.4 + 0.4 * (48 - s + 1) / 48, 0.25, s == N)
+                yield StepEvent(block=b + 1, step=s, max_steps=48, canvas=canvas, draft=draft, accepted=accepted,
+                                entropy=entropy, mean_entropy=float(entropy.mean()),
+                                temperature=0.4 + 0.4 * (48 - s + 1) / 48, seconds=0.25, stopped=s == N)
                 if cancel():
-                    yield DoneEvent(self.decode(out), "", tuple(out), "cancelled", 20, 0.5, 40.0, done_steps,
-                                    tuple(), 0.25, 0.0, 1.0, 1, self.precision_label)
+                    yield DoneEvent(text=self.decode(out), thinking="", tokens=tuple(out), finish_reason="cancelled",
+                                    prompt_tokens=20, prefill_seconds=0.5, prefill_tokens_per_second=40.0,
+                                    steps=done_steps, steps_per_block=(), seconds_per_step=0.25,
+                                    tokens_per_forward=0.0, generation_seconds=1.0, peak_memory_bytes=1,
+                                    precision=self.precision_label)
                     return
             out += target.tolist()
             text = self.decode(out)
-            yield BlockEvent(b + 1, tuple(target.tolist()), N, b == self.blocks - 1, text, "Thinking about light.", text)
-        yield DoneEvent(self.decode(out), "Thinking about light.", tuple(out), "eos", 20, 0.5, 40.0,
-                        done_steps, (N,) * self.blocks, 0.25, len(out) / done_steps, 3.0, 200_000_000,
-                        self.precision_label)
+            yield BlockEvent(block=b + 1, tokens=tuple(target.tolist()), steps=N, finished=b == self.blocks - 1,
+                             text=text, thinking="Thinking about light.", raw_text=text)
+        yield DoneEvent(text=self.decode(out), thinking="Thinking about light.", tokens=tuple(out), finish_reason="eos",
+                        prompt_tokens=20, prefill_seconds=0.5, prefill_tokens_per_second=40.0, steps=done_steps,
+                        steps_per_block=(N,) * self.blocks, seconds_per_step=0.25,
+                        tokens_per_forward=len(out) / done_steps, generation_seconds=3.0,
+                        peak_memory_bytes=200_000_000, precision=self.precision_label)

@@ -61,7 +61,7 @@ class ModelBackend:
                  precision: str = "auto", think: bool = False, system: str | None = None):
         self.model_path, self.demo, self.dtype, self.precision = model, demo, dtype, precision
         self.think, self.system = think, system or None
-        self.model = None
+        self.runtime = None
         self.session = None
         self.tokenizer = None
         self.generation_config: dict[str, Any] = {}
@@ -71,19 +71,19 @@ class ModelBackend:
         self.precision_label = ""
 
     def load(self, progress: Callable[[str], None]) -> None:
-        from mlx_dgemma.generation import ChatSession, precision_label
+        from mlx_dgemma.generation import ChatSession
         from mlx_dgemma.loader import open_model
 
         if self.demo:
             progress("loading the demo model")
-        model, tok = open_model(self.model_path, self.demo, self.precision, self.dtype,
-                                progress=lambda i, n, name: progress(f"loading {i}/{n} {name}"))
-        self.tokenizer = tok
-        self.generation_config = dict(getattr(model, "generation_config", {}) or {})
-        self.canvas_length = model.args.canvas_length
-        self.precision_label = precision_label(model)
-        self.model = model
-        self.session = ChatSession(model, tok, self.generation_config, enable_thinking=self.think,
+        runtime = open_model(self.model_path, self.demo, self.precision, self.dtype,
+                             progress=lambda i, n, name: progress(f"loading {i}/{n} {name}"))
+        self.tokenizer = runtime.tokenizer
+        self.generation_config = dict(runtime.generation_config)
+        self.canvas_length = runtime.model.args.canvas_length
+        self.precision_label = runtime.precision.label
+        self.runtime = runtime
+        self.session = ChatSession(runtime, self.generation_config, enable_thinking=self.think,
                                    system=self.system)
 
     def stream(self, prompt: str, cancel: Callable[[], bool], think: bool = False,
@@ -95,8 +95,8 @@ class ModelBackend:
         from mlx_dgemma.generation import ChatSession
 
         self.system = system or None
-        if self.model is not None:  # the system prompt opens the cache: a new session, not an edit
-            self.session = ChatSession(self.model, self.tokenizer, self.generation_config,
+        if self.runtime is not None:  # the system prompt opens the cache: a new session, not an edit
+            self.session = ChatSession(self.runtime, self.generation_config,
                                        enable_thinking=self.session.enable_thinking, system=self.system)
 
     def piece(self, token_id: int) -> str:

@@ -89,13 +89,14 @@ def e2e_ours(model: str, prompts: list[str], seeds: list[int], label: str = "mlx
     from mlx_dgemma.generation import stream_generate
     from mlx_dgemma.sampler import SamplerParams
 
-    m, tok = load(model, precision=precision)
+    rt = load(model, precision=precision)
+    tok = rt.tokenizer
     overrides = dict(overrides or {})
-    eos = SamplerParams.from_config(m.generation_config, **overrides).eos_token_id
+    eos = SamplerParams.from_config(rt.generation_config, **overrides).eos_token_id
     sampler = ("confidence threshold " + str(overrides["accept_probability"])) \
         if overrides.get("accept_probability") is not None else "EntropyBound"
     if warmup:
-        for _ in stream_generate(m, tok, _prompt_ids(tok, WARMUP_PROMPT), seed=0, **overrides):
+        for _ in stream_generate(rt, _prompt_ids(tok, WARMUP_PROMPT), seed=0, **overrides):
             pass
     runs = []
     for text, seed in zip(prompts, seeds):
@@ -103,7 +104,7 @@ def e2e_ours(model: str, prompts: list[str], seeds: list[int], label: str = "mlx
         t0 = time.perf_counter()
         first = prefill = None
         done = None
-        for ev in stream_generate(m, tok, ids, seed=seed, **overrides):
+        for ev in stream_generate(rt, ids, seed=seed, **overrides):
             if isinstance(ev, PrefillEvent):
                 prefill = ev.seconds
             elif isinstance(ev, BlockEvent) and first is None:
@@ -118,7 +119,7 @@ def e2e_ours(model: str, prompts: list[str], seeds: list[int], label: str = "mlx
                      "first_block_s": first if first is not None else wall,
                      "steps_per_block": list(done.steps_per_block)})
         log(f"{label}: {text[:30]!r}: {len(answer)} tokens, steps {list(done.steps_per_block)}, {wall:.1f} s")
-    return _summary(f"{label} {m.precision.label}", sampler, runs)
+    return _summary(f"{label} {rt.precision.label}", sampler, runs)
 
 
 class _Detokenizer:
@@ -185,9 +186,10 @@ def e2e_mlx_vlm(model: str, prompts: list[str], seeds: list[int], sampler: str =
 
     from .peers import mlx_vlm_model_from_gguf
 
-    _, tok = load(model)  # our tokenizer and the file's generation config (same ids as ours)
-    gc = {**_.generation_config, **{k: v for k, v in (overrides or {}).items() if k != "accept_probability"}}
-    del _
+    ours = load(model)  # our tokenizer and the file's generation config (same ids as ours)
+    tok = ours.tokenizer
+    gc = {**ours.generation_config, **{k: v for k, v in (overrides or {}).items() if k != "accept_probability"}}
+    del ours
     vlm = mlx_vlm_model_from_gguf(Path(model), dtype=mx.float32)
     vlm.config.generation_config = mlx_vlm_generation_config(gc)
     eos = tuple(vlm.config.generation_config["eos_token_id"])

@@ -27,9 +27,10 @@ def measure_ours(model_dir: str, prompt_len: int, warmup: int, steps: int, sc_to
     from mlx_dgemma.step import StepFunction
 
     t_load = time.perf_counter()
-    model, _ = load(model_dir, precision=precision, dtype=dtype)
+    runtime = load(model_dir, precision=precision, dtype=dtype)
+    model, prec = runtime.model, runtime.precision
     load_s = time.perf_counter() - t_load
-    label = label or f"mlx-dgemma {model.precision.label}"
+    label = label or f"mlx-dgemma {prec.label}"
     log(f"{label}: loaded in {load_s:.1f} s")
     a = model.args
     C = a.canvas_length
@@ -51,18 +52,19 @@ def measure_ours(model_dir: str, prompt_len: int, warmup: int, steps: int, sc_to
         hist = fn.initial_history((1, C))
         return lambda: list(fn(canvas, sc, 0.6, key, hist, cache).values())
 
-    step_c = whole(StepFunction(model, p, compile=True))
+    step_c = whole(StepFunction(model, p, prec.dtype, compile=True, precision_sc_top_k=prec.sc_top_k))
     t_first = time.perf_counter()
     mx.eval(step_c())  # tracing + kernel compilation (minutes on a cold CUDA backend): reported apart
     first_step_s = time.perf_counter() - t_first
     log(f"{label}: prefill {prefill_s:.1f} s, first compiled step {first_step_s:.1f} s")
     compiled = sync_time(step_c, warmup, steps)
-    res: dict[str, Any] = {"impl": label, "precision": model.precision.name, "dtype": model.precision.dtype_name,
+    res: dict[str, Any] = {"impl": label, "precision": prec.name, "dtype": prec.dtype_name,
                            "seconds_per_step": statistics.median(compiled), "load_seconds": load_s,
                            "first_step_seconds": first_step_s}
     if eager:  # before/after: the same step without mx.compile, and the decoder pass alone
         res["seconds_per_step_eager"] = statistics.median(
-            sync_time(whole(StepFunction(model, p, compile=False)), warmup, steps))
+            sync_time(whole(StepFunction(model, p, prec.dtype, compile=False, precision_sc_top_k=prec.sc_top_k)),
+                      warmup, steps))
         res["seconds_decoder_only"] = statistics.median(sync_time(decoder, warmup, steps))
     return {**res,
             "prefill_tokens_per_second": prompt_len / prefill_s,

@@ -27,9 +27,10 @@ def breakdown(model_dir: Path, prompt_len: int, steps: int, precision: str = "ex
     from mlx_dgemma import load
     from mlx_dgemma.sampler import sample_step
 
-    model, _ = load(model_dir, precision=precision, dtype=dtype)
+    runtime = load(model_dir, precision=precision, dtype=dtype)
+    model = runtime.model
     a = model.args
-    dt = model.activation_dtype
+    dt = runtime.activation_dtype
     C = a.canvas_length
     prompt, canvas = random_inputs(a, C, prompt_len)
     cache = model.make_cache()
@@ -71,10 +72,10 @@ def quality(model_dir: Path, prompt_len: int, dtype: str | None = None, prompts:
     same seed, the share of blocks where both commit the same tokens."""
     from mlx_dgemma import load
 
-    exact, tok = load(model_dir, precision="exact")
-    fast, _ = load(model_dir, precision="fast", dtype=dtype)
-    return {"fast": fast.precision.label, **logit_agreement(exact, fast, prompt_len),
-            **block_agreement(exact, fast, tok, prompts, gen_steps)}
+    exact = load(model_dir, precision="exact")
+    fast = load(model_dir, precision="fast", dtype=dtype)
+    return {"fast": fast.precision.label, **logit_agreement(exact.model, fast.model, prompt_len),
+            **block_agreement(exact, fast, prompts, gen_steps)}
 
 
 def paired_steps(exact, other, prompt: mx.array, canvas: mx.array) -> list[tuple[str, mx.array, mx.array]]:
@@ -101,8 +102,8 @@ def logit_agreement(exact, fast, prompt_len: int, seed: int = 0) -> dict[str, fl
     return out
 
 
-def block_agreement(exact, fast, tokenizer, prompts: int = 3, gen_steps: int = 12) -> dict[str, Any]:
-    """Whole generations, same seeds: share of committed blocks identical in both, and of
+def block_agreement(exact, fast, prompts: int = 3, gen_steps: int = 12) -> dict[str, Any]:
+    """Whole generations of two runtimes (``load()``'s), same seeds: share of committed blocks identical in both, and of
     token positions equal within the compared blocks (up to the first block that differs:
     after it the two answers are conditioned on different text)."""
     from mlx_dgemma import BlockEvent, stream_generate
@@ -111,9 +112,9 @@ def block_agreement(exact, fast, tokenizer, prompts: int = 3, gen_steps: int = 1
     same = total = same_tok = total_tok = 0
     for i, text in enumerate(texts):
         blocks = []
-        for m in (exact, fast):
-            evs = stream_generate(m, tokenizer, text, generation_config=getattr(m, "generation_config", None),
-                                  seed=i, max_denoising_steps=gen_steps, max_new_tokens=2 * m.args.canvas_length)
+        for rt in (exact, fast):
+            evs = stream_generate(rt, text, seed=i, max_denoising_steps=gen_steps,
+                                  max_new_tokens=2 * rt.model.args.canvas_length)
             blocks.append([ev.tokens for ev in evs if isinstance(ev, BlockEvent)])
         for be, bf in zip(*blocks):
             total += 1
@@ -131,7 +132,7 @@ def moe_alternatives(model_dir: Path, steps: int) -> dict[str, float]:
     """One layer's experts on a canvas of tokens: sorted gather_qmm (ours), unsorted, per-expert."""
     from mlx_dgemma import load
 
-    model, _ = load(model_dir, precision="exact")
+    model = load(model_dir, precision="exact").model
     a = model.args
     C = a.canvas_length
     layer = model.layers[0]
@@ -178,7 +179,7 @@ def sc_top_k_study(model_dir: Path, prompt_len: int, steps: int, ks: tuple[int, 
     vocabulary: seconds of the soft embedding and the step's max relative logit error, per k."""
     from mlx_dgemma import load
 
-    model, _ = load(model_dir, precision="exact")
+    model = load(model_dir, precision="exact").model
     a = model.args
     prompt, canvas = random_inputs(a, a.canvas_length, prompt_len)
     cache = model.make_cache()

@@ -223,10 +223,10 @@ def follow(args: argparse.Namespace) -> int:
     from .engine import load_model
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    model, tokenizer = load_model(args.model, args.demo, args.dtype, args.precision)
+    runtime = load_model(args.model, args.demo, args.dtype, args.precision)
     code = 0
     try:
-        ModelRuntime(model, tokenizer).follow()
+        ModelRuntime(runtime).follow()
     except Exception as e:  # noqa: BLE001 - the ring broke: rank 0 is gone
         print(f"mlx-dgemma serve: error: lost rank 0 ({type(e).__name__}: {e}); this rank stops",
               file=sys.stderr, flush=True)

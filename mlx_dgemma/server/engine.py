@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mlx_dgemma.chat_template import RENDER_CHARS, THOUGHT_OPEN, parse_answer, render_chat, template_for_tools
 from mlx_dgemma.errors import DGemmaError, ParameterError
@@ -27,6 +27,9 @@ from mlx_dgemma.worker import ModelWorker, Ticket, WorkerBusy, WorkerStopped
 from .errors import APIError, ContextLengthError
 from .openai import Answer, Result, marker_ids
 from .schemas import SAMPLER_FIELDS, Message, Sampling
+
+if TYPE_CHECKING:
+    from mlx_dgemma.runtime import Runtime
 
 log = logging.getLogger("mlx_dgemma.server")
 
@@ -70,7 +73,7 @@ class Job:
             pass
 
 
-def load_model(model: str | None, demo: bool, dtype: str | None, precision: str) -> tuple[Any, Any]:
+def load_model(model: str | None, demo: bool, dtype: str | None, precision: str) -> Runtime:
     """The one place the server loads a model: the core's ``open_model`` (``--model`` or
     ``--demo``, ``--precision`` and ``--dtype``), with a loading bar on stderr."""
     from mlx_dgemma.loader import open_model
@@ -271,19 +274,19 @@ class Engine:
         return self.worker.waiting
 
     def _load(self) -> None:
-        from mlx_dgemma.generation import precision_label
         from mlx_dgemma.lockstep import ModelRuntime
         from mlx_dgemma.memory import memory_bytes
 
-        self.model, self.tokenizer = load_model(self.model_path, self.demo, self.dtype_name, self.precision_name)
-        self.precision = precision_label(self.model)
-        self.generation_config = getattr(self.model, "generation_config", None) or {}
+        loaded = load_model(self.model_path, self.demo, self.dtype_name, self.precision_name)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.precision = loaded.precision.label
+        self.generation_config = loaded.generation_config
         self.canvas = int(self.model.args.canvas_length)
         self.context = int(self.model.args.max_position_embeddings)
         self.max_token_bytes = max((len(t.encode("utf-8", "replace")) for t in self.tokenizer.tokens), default=1)
         self.markers = marker_ids(self.tokenizer)
         self.memory_bytes = memory_bytes()
-        self.runtime = ModelRuntime(self.model, self.tokenizer, self.generation_config)
+        self.runtime = ModelRuntime(loaded)
 
     def _finish(self) -> None:
         """The worker stops: under mlx.launch the other ranks leave their follower loop."""

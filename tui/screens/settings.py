@@ -112,7 +112,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
 
     def _explain(self, e: ParameterError, chosen: dict) -> str:
         """The API's error between fields, restated with the labels the dialog shows."""
-        if e.name == "t_max":  # each range is checked before: this is the schedule's t_min < t_max
+        if e.param == "t_max":  # each range is checked before: this is the schedule's t_min < t_max
             t_max = chosen.get("t_max", self.defaults.get("t_max"))
             t_min = chosen.get("t_min", self.defaults.get("t_min"))
             if t_min != self.values.get("t_min"):  # name the field the user just edited first
@@ -120,8 +120,8 @@ class SettingsScreen(ModalScreen[Settings | None]):
                         "the temperature falls from the first step to the last")
             return (f"{LABELS['t_max']} ({t_max}) must be above the {LABELS['t_min']} ({t_min}): "
                     "the temperature falls from the first step to the last")
-        if e.name in LABELS:
-            return f"{LABELS[e.name]}: {chosen.get(e.name)} must be {e.rule}"
+        if e.param in LABELS:
+            return f"{LABELS[e.param]}: {chosen.get(e.param)} must be {e.rule}"
         return str(e)
 
     def values_without_fields(self) -> dict:

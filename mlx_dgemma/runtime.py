@@ -1,0 +1,79 @@
+"""The loaded model as one typed object: what ``load()`` returns and generation takes.
+
+A :class:`Runtime` holds the model and everything that belongs with it but is not a model
+parameter: the tokenizer, the generation defaults (generation_config.json or the GGUF's
+``diffusion.eb_*`` keys), the runtime precision, which demo it is (if any) and the compiled
+denoising steps traced for it. Nothing is hung on the model itself: the model is the
+network, the runtime is the network as loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from .errors import ParameterError
+from .model import DiffusionGemma
+from .precision import Precision
+from .sampler import SamplerParams
+from .step import StepFunction, step_key
+from .tokenizer import Tokenizer
+
+EXACT = Precision("exact", mx.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class Runtime:
+    """A model ready to generate: ``generate(runtime, prompt)``, ``stream_generate``, ``ChatSession``.
+
+    Built by :func:`mlx_dgemma.load` (and the demo's :func:`mlx_dgemma.load_demo`); a model
+    built another way (tests) becomes one with ``Runtime(model, tokenizer)``: exact precision, the
+    reference's sampler defaults. ``precision`` must be the one the model's weights are in
+    (:func:`mlx_dgemma.precision.apply_precision` changes them in place: make a new Runtime after
+    it, so no step traced for the old weights is reused).
+    """
+
+    model: DiffusionGemma
+    tokenizer: Tokenizer
+    generation_config: dict[str, Any] = field(default_factory=dict)  # the model's sampler defaults
+    precision: Precision = EXACT  # the runtime precision the weights are in
+    demo_kind: str | None = None  # "trained" | "random" for the built-in demo; None for a real model
+    # the compiled steps traced for this model, by traced sampler fields and dtype (:meth:`step`)
+    steps: dict[tuple, StepFunction] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model.activation_dtype != self.precision.dtype:  # apply_precision sets both
+            raise ParameterError(f"precision: {self.precision.label} does not match the model's activations "
+                                 f"({self.model.activation_dtype}); pass the precision the model was put in")
+
+    @property
+    def is_demo(self) -> bool:
+        return self.demo_kind is not None
+
+    @property
+    def activation_dtype(self) -> mx.Dtype:
+        """The precision's activation dtype (float32 for exact)."""
+        return self.precision.dtype
+
+    @property
+    def group(self) -> mx.distributed.Group | None:
+        """The tensor-parallel group the model is sharded over (None: one process)."""
+        return self.model.group
+
+    def step(self, params: SamplerParams, dtype: mx.Dtype | None = None) -> StepFunction:
+        """The compiled step for these traced sampler fields, built once per runtime.
+
+        Each new StepFunction traces its graph again (a fraction of a second on the demo, more
+        on a deep model), so every answer of a chat, a server or the chat app reuses one.
+        Generation runs one step at a time per model (the chat app's worker, the server's
+        single model worker); a step function is not re-entrant.
+        """
+        params.check_model(self.model.args.vocab_size)
+        dtype = dtype or self.activation_dtype
+        key = step_key(params, dtype)
+        fn = self.steps.get(key)
+        if fn is None:
+            fn = self.steps[key] = StepFunction(self.model, params, dtype, precision_sc_top_k=self.precision.sc_top_k)
+        return fn
