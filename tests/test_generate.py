@@ -283,15 +283,16 @@ def test_logprobs_are_the_committing_steps_from_recomputed_logits(monkeypatch):
     recomputed here by the model from the step's inputs (the canvas and self-conditioning logits
     the step function was given, the cache rebuilt from the prompt and earlier blocks). Asking
     for them changes nothing else."""
-    from mlx_dgemma.demo import load_demo
+    from mlx_dgemma import load_demo
     from mlx_dgemma.step import StepFunction
 
-    model, tok = load_demo()
+    rt = load_demo()
+    model, tok = rt.model, rt.tokenizer
     C = model.args.canvas_length
     ids = tok.encode(render_chat([{"role": "user", "content": "And God said"}], tok.chat_template))
     # a schedule (2.0 -> 0.5) whose temperature is never 1, so the tempered and the model's distributions differ
     kw = dict(seed=5, max_denoising_steps=5, max_new_tokens=2 * C, t_min=0.5, t_max=2.0)
-    plain = list(stream_generate(model, tok, ids, **kw))
+    plain = list(stream_generate(rt, ids, **kw))
 
     calls: list[tuple] = []  # what each step was given: canvas, self-conditioning logits, temperature
     original = StepFunction.__call__
@@ -302,7 +303,7 @@ def test_logprobs_are_the_committing_steps_from_recomputed_logits(monkeypatch):
 
     monkeypatch.setattr(StepFunction, "__call__", spy)
     k = 4
-    events = list(stream_generate(model, tok, ids, logprobs=k, **kw))
+    events = list(stream_generate(rt, ids, logprobs=k, **kw))
     monkeypatch.undo()
     steps = [e for e in events if isinstance(e, StepEvent)]
     blocks = [e for e in events if isinstance(e, BlockEvent)]
@@ -326,7 +327,7 @@ def test_logprobs_are_the_committing_steps_from_recomputed_logits(monkeypatch):
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
         n = len(b.logprobs)
         gen = list(b.tokens[:n])
-        eos = SamplerParams.from_config(model.generation_config).eos_token_id
+        eos = SamplerParams.from_config(rt.generation_config).eos_token_id
         end = next(j + 1 for j, t in enumerate(b.tokens) if t in eos) if b.finished else C
         assert n == end and b.top_ids.shape == b.top_logprobs.shape == (n, k)
         assert gen == logp[:n].argmax(-1).tolist()  # the committed tokens are that step's argmax
@@ -343,6 +344,5 @@ def test_logprobs_are_the_committing_steps_from_recomputed_logits(monkeypatch):
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5, 10**9])
 def test_logprobs_out_of_range_is_a_parameter_error(loaded, bad):
-    model, tok = loaded
     with pytest.raises(ParameterError, match="logprobs"):
-        list(stream_generate(model, tok, "Hi", logprobs=bad, max_new_tokens=8))
+        list(stream_generate(loaded, "Hi", logprobs=bad, max_new_tokens=8))
