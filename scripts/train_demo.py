@@ -142,9 +142,18 @@ def text_config() -> dict:
     return d
 
 
+# A follow-up turn as ChatSession laid it out when the shipped demo was trained (the previous
+# answer's block, padding included, then this turn). ChatSession now renders the whole
+# conversation instead; the template is kept here, not in the core, so that this script
+# still rebuilds the shipped weights' training data exactly.
+CONTINUATION_TEMPLATE = (
+    "{% for m in messages %}{{ '<|turn>user\\n' + (m['content'] | trim) + '<turn|>\\n<|turn>model\\n' }}"
+    "{% if not enable_thinking %}{{ '<|channel>thought\\n<channel|>' }}{% endif %}{% endfor %}"
+)
+
+
 def prepare(args: argparse.Namespace) -> None:
     from mlx_dgemma.chat_template import DEFAULT_TEMPLATE, render_chat
-    from mlx_dgemma.generation import CONTINUATION_TEMPLATE
     from mlx_dgemma.tokenizer import Tokenizer
 
     BUILD.mkdir(parents=True, exist_ok=True)
