@@ -20,7 +20,8 @@ import numpy as np
 
 from .cache import KVCache
 from .chat_template import ParsedAnswer, parse_answer, render_chat
-from .errors import NonFiniteError, ParameterError
+from .distributed import agree
+from .errors import MemoryBudgetError, NonFiniteError, ParameterError
 # The events live in mlx_dgemma.events (numpy only); re-exported here for older imports.
 from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent  # noqa: F401
 from .memory import check_fits, estimate, peak_memory_bytes, reset_peak_memory
@@ -230,8 +231,17 @@ def _run(model: DiffusionGemma, tokenizer: Tokenizer, cache: KVCache, ids: list[
         raise ParameterError(f"prefill_chunk_size: {chunk_size}; expected a positive number of tokens")
     dtype = dtype or getattr(model, "activation_dtype", mx.float32)  # the runtime precision's
     if isinstance(cache, KVCache):  # a real model (test doubles have no shapes to estimate)
-        check_fits(estimate(model.args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
-                            chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids))
+        group = getattr(model, "group", None)
+        try:
+            check_fits(estimate(model.args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
+                                chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids))
+        except MemoryBudgetError as e:
+            if group is None:
+                raise
+            agree(e, group)  # several ranks: each checks its own memory; all stop if one must
+        else:
+            if group is not None:
+                agree(None, group)
     reset_peak_memory()
     key = mx.random.key(p.seed if p.seed is not None else time.time_ns() % (2**63))
     t0 = time.perf_counter()

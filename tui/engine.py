@@ -64,14 +64,16 @@ class Job:
 
 
 class ModelBackend:
-    """The real model behind a :class:`mlx_dgemma.ChatSession` (a :class:`Backend`)."""
+    """The real model behind a :class:`mlx_dgemma.ChatSession` (a :class:`Backend`), run through
+    the core's :class:`mlx_dgemma.lockstep.ModelRuntime`: in one process it calls the session
+    directly; under ``mlx.launch`` it first tells the other ranks (which follow it) each call."""
 
     def __init__(self, model: str | None = None, demo: bool = False, dtype: str | None = None,
                  precision: str = "auto", think: bool = False, system: str | None = None):
         self.model_path, self.demo, self.dtype, self.precision = model, demo, dtype, precision
         self.think, self.system = think, system or None
         self.model = None
-        self.session = None
+        self.runtime = None  # the ModelRuntime, once loaded
         self.tokenizer = None
         self.generation_config: dict[str, Any] = {}
         self.label = "demo model (tiny, trained on the KJV Bible)" if demo else str(model)
@@ -80,8 +82,9 @@ class ModelBackend:
         self.precision_label = ""
 
     def load(self, progress: Callable[[str], None]) -> None:
-        from mlx_dgemma.generation import ChatSession, precision_label
+        from mlx_dgemma.generation import precision_label
         from mlx_dgemma.loader import open_model
+        from mlx_dgemma.lockstep import ModelRuntime
 
         if self.demo:
             progress("loading the demo model")
@@ -92,21 +95,28 @@ class ModelBackend:
         self.canvas_length = model.args.canvas_length
         self.precision_label = precision_label(model)
         self.model = model
-        self.session = ChatSession(model, tok, self.generation_config, enable_thinking=self.think,
-                                   system=self.system)
+        self.runtime = ModelRuntime(model, tok, self.generation_config)
+        self.runtime.new_chat(enable_thinking=self.think, system=self.system)
+
+    @property
+    def session(self):
+        """The conversation's :class:`mlx_dgemma.ChatSession` (None before the load)."""
+        return self.runtime.session if self.runtime is not None else None
 
     def stream(self, prompt: str, cancel: Callable[[], bool], think: bool = False,
                **params: Any) -> Iterator[Event]:
-        self.session.enable_thinking = think  # per turn: a follow-up's markup says whether to think
-        yield from self.session.stream(prompt, cancel=cancel, **params)
+        # per turn: a follow-up's markup says whether to think
+        yield from self.runtime.chat(prompt, cancel=cancel, enable_thinking=think, **params)
 
     def reset(self, system: str | None = None) -> None:
-        from mlx_dgemma.generation import ChatSession
-
         self.system = system or None
-        if self.model is not None:  # the system prompt opens the cache: a new session, not an edit
-            self.session = ChatSession(self.model, self.tokenizer, self.generation_config,
-                                       enable_thinking=self.session.enable_thinking, system=self.system)
+        if self.runtime is not None:  # the system prompt opens the cache: a new session, not an edit
+            self.runtime.new_chat(enable_thinking=self.session.enable_thinking, system=self.system)
+
+    def close(self) -> None:
+        """The app quits (on the engine thread): under mlx.launch the other ranks leave too."""
+        if self.runtime is not None:
+            self.runtime.shutdown()
 
     def piece(self, token_id: int) -> str:
         return self.tokenizer.piece(token_id) if self.tokenizer else str(token_id)
@@ -168,6 +178,17 @@ class Engine:
         self._post(EngineStatus("loading", detail))
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:  # the backend's last call, on this thread: a sharded model's other ranks leave
+            close = getattr(self.backend, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - quitting: the other ranks' loss, said there
+                    pass
+
+    def _loop(self) -> None:
         while not self.stopping.is_set():
             job = self._jobs.get()
             if job.kind == "stop" or self.stopping.is_set():
