@@ -349,6 +349,10 @@ def agree_startup(error: DGemmaError | None = None, *, last: bool = False) -> No
     except DGemmaError:
         _startup["state"] = "failed"
         raise
+    except RuntimeError as e:  # the ring broke: a rank left before its agreement (stopped, killed)
+        _startup["state"] = "failed"
+        raise DGemmaError(f"another rank stopped before the model was loaded on every rank ({e}); "
+                          "its own line, if any, says why") from None
     if last:
         _startup["state"] = "ok"
 
