@@ -23,8 +23,10 @@ def full(logits: mx.array, group: mx.distributed.Group | None) -> np.ndarray:
     return np.array(logits)
 
 
-def run(model_dir: str, text: bool = True) -> dict:
-    """The logits (and with ``text``, a seeded generation's text) of the model in ``model_dir``."""
+def run(model_dir: str, text: bool = True, sc_input: np.ndarray | None = None) -> dict:
+    """The logits (and with ``text``, a seeded generation's text) of the model in ``model_dir``.
+    ``sc_input``: the first pass's logits that self-conditioning reads (default: this run's
+    own), to compare the self-conditioned pass alone on the same input (one process only)."""
     model, tokenizer = load(model_dir, precision="exact")
     group = model.group
     ids = mx.array([tokenizer.encode(PROMPT)])
@@ -33,8 +35,11 @@ def run(model_dir: str, text: bool = True) -> dict:
     canvas = mx.random.randint(0, model.args.vocab_size, (1, model.args.canvas_length),
                                key=mx.random.key(0)).astype(mx.int32)
     first = model.denoise(canvas, cache)
-    out = {"chunks": -(-ids.shape[1] // CHUNK), "ranks": distributed.size_of(group),
-           "first": full(first, group), "sc": full(model.denoise(canvas, cache, first), group),
+    out = {"first_own": full(first, group)}
+    if sc_input is not None:
+        first = mx.array(sc_input)
+    out |= {"chunks": -(-ids.shape[1] // CHUNK), "ranks": distributed.size_of(group),
+           "first": out.pop("first_own"), "sc": full(model.denoise(canvas, cache, first), group),
            "sc_top_k": full(model.denoise(canvas, cache, first, sc_top_k=8), group)}
     if not text:  # random weights (``medium``): chaotic, only the logits are compared
         return out

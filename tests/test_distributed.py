@@ -104,12 +104,12 @@ def test_two_ranks_reproduce_one_process(demo_dir, tmp_path):
 
 
 @needs_ring
-@pytest.mark.slow  # reason: a 77 MB random model converted, then loaded by 3 processes (~2 min on 2 cores)
 def test_two_ranks_reproduce_one_process_on_medium(tmp_path):
     """The benchmark's `medium` config (random Q4_K_M weights, 8 heads, 32 experts; canvas 32 to
     keep it short): per-rank loading, a multi-chunk prefill and the logits with and without
-    self-conditioning, 2 ranks against one process. Random weights are chaotic (a 1e-7
-    difference can flip a near-tie in the sampler), so the text is compared on the demo only."""
+    self-conditioning, 2 ranks against one process (each pass to 1e-5 given the same input).
+    Random weights are chaotic (a 1e-7 difference can flip a near-tie in the sampler), so the
+    text is compared on the demo only."""
     from mlx_dgemma.bench.configs import build
 
     _, model_dir = build("medium", tmp_path, 32)
@@ -119,9 +119,16 @@ def test_two_ranks_reproduce_one_process_on_medium(tmp_path):
     got, meta = np.load(out), json.loads(Path(str(out) + ".json").read_text())
     ref = distributed_worker.run(str(model_dir), text=False)
     assert meta["ranks"] == 2 and meta["chunks"] == ref["chunks"] >= 3
-    for name in ("first", "sc", "sc_top_k"):
+    assert got["first"].shape == ref["first"].shape and rel(got["first"], ref["first"]) <= TOL
+    # Each pass against one process's on the same input: the self-conditioned passes read the
+    # first pass's logits, and on random weights the rounding of those (above) grows through
+    # softmax and six layers (measured: the first pass 3.7e-6; the self-conditioned ones 4.4e-6
+    # exact / 4.0e-6 top-k given the same input, 1.5e-5 / 8.2e-6 end to end).
+    same_input = distributed_worker.run(str(model_dir), text=False, sc_input=got["first"])
+    for name in ("sc", "sc_top_k"):
         assert got[name].shape == ref[name].shape
-        assert rel(got[name], ref[name]) <= TOL, (name, rel(got[name], ref[name]))
+        assert rel(got[name], same_input[name]) <= TOL, (name, rel(got[name], same_input[name]))
+        assert rel(got[name], ref[name]) <= 10 * TOL, (name, rel(got[name], ref[name]))
 
 
 @needs_ring
