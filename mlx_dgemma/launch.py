@@ -64,9 +64,9 @@ def quiet_other_ranks(command: str | None) -> None:
 
 # What leaves a full-screen app's terminal modes, written when rank 0's terminal is handed
 # back (harmless when the app already did): mouse reports, bracketed paste, the kitty keyboard
-# protocol and focus reports off; the cursor shown; the main screen back.
-_TERMINAL_RESET = ("\x1b[?1000l\x1b[?1003l\x1b[?1015l\x1b[?1006l\x1b[?2004l\x1b[<u"
-                   "\x1b[?1004l\x1b[?25h\x1b[?1049l")
+# protocol and focus reports off; the cursor shown. Not the alternate screen's exit: the app
+# leaves it itself, and a second one moves the cursor back over the lines printed since.
+_TERMINAL_RESET = "\x1b[?1000l\x1b[?1003l\x1b[?1015l\x1b[?1006l\x1b[?2004l\x1b[<u\x1b[?1004l\x1b[?25h"
 
 
 @contextmanager
