@@ -388,14 +388,57 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     args.model = model
     from .errors import MemoryBudgetError
 
+    from .launch import launched, launched_rank, rank_terminal
+
+    ranks = launched()
+    if ranks and not (model or args.demo):  # the other ranks must load what rank 0 loads
+        from .errors import ParameterError
+
+        raise ParameterError("chat under mlx.launch needs --model PATH or --demo (or MLX_DGEMMA_MODEL)")
     try:
         precision = planned_precision(args)  # a model that does not fit is refused before the app starts
     except MemoryBudgetError:
         raise
     except DGemmaError:  # a file that cannot be read: the app says why and offers the demo
+        if ranks:
+            raise
         precision = args.precision
+    if ranks and launched_rank() > 0:  # rank 0 owns the app; this rank runs its model calls
+        return _follow_chat(args, precision)
+    if ranks:
+        with rank_terminal("chat"):
+            return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
+                           think=args.think, system=args.system)
     return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
                    think=args.think, system=args.system)
+
+
+def _follow_chat(args: argparse.Namespace, precision: str) -> int:
+    """A rank > 0 of ``chat`` under ``mlx.launch``: load this rank's slices and run every model
+    call rank 0's app makes (``ModelRuntime.follow``) until it quits (Ctrl+Q there).
+
+    The launcher copies its terminal's input to every rank: this rank's stdin is closed (the
+    launcher then stops writing to it) and Ctrl+C is ignored (rank 0 decides when to stop;
+    if it dies, the ring breaks and this rank says so in one line)."""
+    import os
+    import signal
+
+    from .lockstep import ModelRuntime
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    runtime = load_for_cli(args.model, args.demo, args.dtype, precision)
+    code = 0
+    try:
+        ModelRuntime(runtime).follow()
+    except Exception as e:  # noqa: BLE001 - the ring broke: rank 0 is gone
+        print(f"mlx-dgemma chat: error: lost rank 0 ({type(e).__name__}: {e}); this rank stops",
+              file=sys.stderr, flush=True)
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)  # as serve's followers: no C++ static destructors racing MLX state at exit
 
 
 CHAT_EPILOG = """\
@@ -612,23 +655,30 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help(sys.stderr)
             return 2  # a usage error, as any missing argument is
         args = parser.parse_args(argv)
-        from .launch import launched, quiet_other_ranks
+        from .launch import quiet_other_ranks
 
         quiet_other_ranks()  # under mlx.launch rank 0 alone prints
-        if args.command == "chat" and launched():
-            from .distributed import refuse_ranks  # MLX: only under a launcher
-
-            refuse_ranks("chat")  # the chat app runs in one process
         with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C
             code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at the interpreter's exit
         return code
     except DGemmaError as e:
+        from .launch import launched
+
+        if launched():  # a rank that fails before the model is loaded everywhere tells the others
+            from .distributed import tell_startup_failure
+
+            tell_startup_failure(e)
         if _debug(args, argv):
             raise
         # one line whatever a file put in the message (names with newlines, control bytes)
         text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(e))
-        print(f"{_who(args)}: error: {text}", file=sys.stderr)
+        print(f"{_who(args)}: error: {text}", file=sys.stderr, flush=True)
+        if launched():
+            from .distributed import startup_failed, wait_for_rank_0
+
+            if startup_failed():
+                wait_for_rank_0()  # rank 0 prints the reason before mlx.launch stops the ranks
         return e.exit_code
     except KeyboardInterrupt as e:
         if _debug(args, argv):

@@ -25,7 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .errors import ModelFilesError, ParameterError
+from . import errors
+from .errors import DGemmaError, ModelFilesError, ParameterError
 from .launch import launched, launched_rank  # noqa: F401 (launched_rank re-exported)
 from .schema import SAFETENSORS_DTYPES
 
@@ -42,8 +43,28 @@ def world() -> mx.distributed.Group | None:
         return None
     if not mx.distributed.is_available():
         return None
-    g = mx.distributed.init()
+    g = _init()
     return g if g.size() > 1 else None
+
+
+def _init() -> mx.distributed.Group:
+    """``mx.distributed.init()``, during which SIGTERM ends the process at once.
+
+    A ring rank whose peer already left waits in it for the connection ~30 s, and a Python
+    signal handler (ours turns SIGTERM into a clean stop) runs only after that: ``mlx.launch``
+    SIGTERMs the other ranks when one fails, and they must go then, not half a minute later
+    (the failed rank has said why). Only the main thread can change the handler; elsewhere the
+    main thread runs ours as soon as the signal comes."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return mx.distributed.init()
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        return mx.distributed.init()
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def rank_of(group: mx.distributed.Group | None) -> int:
@@ -265,9 +286,109 @@ def load_sharded_weights(model: nn.Module, files: list[Path], group: mx.distribu
     return load_shards(model, files, full, plan)
 
 
-def refuse_ranks(command: str) -> None:
-    """One line instead of a hang: ``command`` runs in one process only."""
-    g = world()
-    if g is not None:
-        raise ParameterError(f"{command} runs in one process, not under mlx.launch ({g.size()} ranks); "
-                             "across several Macs use `mlx-dgemma generate` or `serve` (README: Several Macs)")
+
+# --------------------------------------------------------------------------------------------
+# Agreeing on a failure: a check that one rank alone may fail
+
+
+_MESSAGE_BYTES = 4096  # a longer error message is cut (it is one line)
+# the start-up agreements of this process (mlx.launch): "ok" once the model is loaded on every
+# rank, "failed" once one failed (no other is made then); before either, a failure is told
+_startup = {"state": "pending"}
+
+
+def agree(error: DGemmaError | None, group: mx.distributed.Group) -> None:
+    """Every rank's outcome of a step that may fail on one rank alone (its memory check, a file
+    its host lacks, its load), so that all stop together instead of leaving the others blocked
+    in the next collective: returns when no rank failed, else raises on every rank, the same
+    error class (the exit status and HTTP status follow it): the failing rank its own error,
+    the others ``rank N: <its message>`` (the first failing rank).
+
+    All ranks must call it at the same point, with nothing collective in between.
+    Two all-reduces (the message lengths, then the messages when one is not empty)."""
+    rank, n = group.rank(), group.size()
+    data = f"{type(error).__name__}:{error}".encode(errors="replace")[:_MESSAGE_BYTES] if error is not None else b""
+    lens = np.zeros(n, dtype=np.int32)
+    lens[rank] = len(data)
+    lens = np.array(_sum(mx.array(lens), group))
+    if not lens.any():
+        return
+    width = int(lens.max())
+    rows = np.zeros((n, width), dtype=np.uint8)
+    rows[rank, :len(data)] = np.frombuffer(data, dtype=np.uint8)
+    rows = np.array(_sum(mx.array(rows), group))
+    if error is not None:
+        raise error
+    first = int(np.flatnonzero(lens)[0])
+    name, _, message = rows[first, :lens[first]].tobytes().decode(errors="replace").partition(":")
+    cls = getattr(errors, name, DGemmaError)
+    cls = cls if isinstance(cls, type) and issubclass(cls, DGemmaError) else DGemmaError
+    raise cls(f"rank {first}: {message}")
+
+
+def _sum(a: mx.array, group: mx.distributed.Group) -> mx.array:
+    out = mx.distributed.all_sum(a, group=group, stream=mx.cpu)
+    mx.eval(out)
+    return out
+
+
+def agree_startup(error: DGemmaError | None = None, *, last: bool = False) -> None:
+    """A start-up agreement point of a front end under ``mlx.launch`` (:func:`agree` in the
+    launched group; nothing in one process, where ``error`` is the caller's to raise).
+    ``last``: the model is loaded, the work begins: no start-up agreement follows."""
+    if _startup["state"] != "pending":
+        return
+    group = world()
+    if group is None:
+        return
+    try:
+        agree(error, group)
+    except DGemmaError:
+        _startup["state"] = "failed"
+        raise
+    except RuntimeError as e:  # the ring broke: a rank left before its agreement (stopped, killed)
+        _startup["state"] = "failed"
+        raise DGemmaError(f"another rank stopped before the model was loaded on every rank ({e}); "
+                          "its own line, if any, says why") from None
+    if last:
+        _startup["state"] = "ok"
+
+
+def tell_startup_failure(error: DGemmaError) -> None:
+    """This rank failed before the model was loaded everywhere (its checks, its load), outside
+    an agreement point: tell the other ranks at their next one (they raise ``rank N: ...``).
+    Nothing once the start-up is over (a later error is every rank's own, or agreed where it
+    happens) or in one process."""
+    if _startup["state"] != "pending":
+        return
+    try:
+        agree_startup(error)
+    except DGemmaError:
+        pass
+
+
+def startup_failed() -> bool:
+    """Whether a start-up agreement failed (the ranks stop: see :func:`wait_for_rank_0`)."""
+    return _startup["state"] == "failed"
+
+
+def wait_for_rank_0() -> None:
+    """Ranks > 0 after a failed start-up agreement: return once rank 0 has exited.
+
+    ``mlx.launch`` SIGTERMs every other rank as soon as one exits non-zero: a rank > 0 that
+    left first would cut rank 0 short before it printed the reason (the chat app, for one,
+    first hands the terminal back). Rank 0 makes no collective after a failed agreement, so
+    this one fails when its process ends (the ring breaks); the ring's own complaints go to
+    /dev/null, this rank's one line is already out."""
+    import os
+
+    group = world()
+    if group is None or group.rank() == 0:
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    try:
+        _sum(mx.zeros((1,), dtype=mx.int32), group)
+    except Exception:  # noqa: BLE001 - the expected end: rank 0 is gone
+        pass

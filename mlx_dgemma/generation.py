@@ -20,7 +20,8 @@ import numpy as np
 
 from .cache import KVCache
 from .chat_template import ParsedAnswer, parse_answer, render_chat
-from .errors import NonFiniteError, ParameterError
+from .distributed import agree
+from .errors import MemoryBudgetError, NonFiniteError, ParameterError
 from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent
 from .memory import check_fits, estimate, peak_memory_bytes, reset_peak_memory
 from .model import DEFAULT_PREFILL_CHUNK
@@ -255,8 +256,17 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
             raise ParameterError("logprobs: not available under mlx.launch (each rank holds part of the "
                                  "vocabulary); leave it out", param="logprobs")
     dtype = dtype or runtime.activation_dtype  # the runtime precision's
-    check_fits(estimate(model.args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
-                        chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids))
+    group = runtime.group
+    try:
+        check_fits(estimate(model.args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
+                            chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids))
+    except MemoryBudgetError as e:
+        if group is None:
+            raise
+        agree(e, group)  # several ranks: each checks its own memory; all stop if one must
+    else:
+        if group is not None:
+            agree(None, group)
     reset_peak_memory()
     key = mx.random.key(p.seed if p.seed is not None else time.time_ns() % (2**63))
     t0 = time.perf_counter()

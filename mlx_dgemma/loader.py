@@ -210,11 +210,24 @@ def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: st
 
     A contradictory precision, both or neither model, a path that is missing or not a file or
     directory are errors before any loading.
+
+    Under ``mlx.launch`` every rank's checks, then every rank's load, must succeed, or all
+    raise (``distributed.agree``): one rank failing alone leaves none waiting for it.
     """
+    from mlx_dgemma.distributed import agree_startup, tell_startup_failure
+    from mlx_dgemma.errors import DGemmaError
     from mlx_dgemma.precision import resolve_precision
 
-    prec = resolve_precision(precision, dtype)
-    path = resolve_model(model, demo)
-    if demo:
-        return load_demo(precision=prec)
-    return load(path, precision=precision, dtype=dtype, progress=progress, memory_limit=memory_limit)
+    try:
+        prec = resolve_precision(precision, dtype)
+        path = resolve_model(model, demo)
+        agree_startup()  # every rank found its model: load
+        if demo:
+            loaded = load_demo(precision=prec)
+        else:
+            loaded = load(path, precision=precision, dtype=dtype, progress=progress, memory_limit=memory_limit)
+    except DGemmaError as e:
+        tell_startup_failure(e)
+        raise
+    agree_startup(last=True)  # every rank holds its slices
+    return loaded

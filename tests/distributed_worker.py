@@ -23,7 +23,10 @@ def full(logits: mx.array, group: mx.distributed.Group | None) -> np.ndarray:
     return np.array(logits)
 
 
-def run(model_dir: str) -> dict:
+def run(model_dir: str, text: bool = True, sc_input: np.ndarray | None = None) -> dict:
+    """The logits (and with ``text``, a seeded generation's text) of the model in ``model_dir``.
+    ``sc_input``: the first pass's logits that self-conditioning reads (default: this run's
+    own), to compare the self-conditioned pass alone on the same input (one process only)."""
     rt = load(model_dir, precision="exact")
     model, tokenizer = rt.model, rt.tokenizer
     group = model.group
@@ -33,16 +36,21 @@ def run(model_dir: str) -> dict:
     canvas = mx.random.randint(0, model.args.vocab_size, (1, model.args.canvas_length),
                                key=mx.random.key(0)).astype(mx.int32)
     first = model.denoise(canvas, cache)
-    out = {"chunks": -(-ids.shape[1] // CHUNK), "ranks": distributed.size_of(group),
-           "first": full(first, group), "sc": full(model.denoise(canvas, cache, first), group),
+    out = {"first_own": full(first, group)}
+    if sc_input is not None:
+        first = mx.array(sc_input)
+    out |= {"chunks": -(-ids.shape[1] // CHUNK), "ranks": distributed.size_of(group),
+           "first": out.pop("first_own"), "sc": full(model.denoise(canvas, cache, first), group),
            "sc_top_k": full(model.denoise(canvas, cache, first, sc_top_k=8), group)}
+    if not text:  # random weights (``medium``): chaotic, only the logits are compared
+        return out
     out["text"] = generate(rt, PROMPT, seed=3, max_new_tokens=64, max_denoising_steps=16,
                            prefill_chunk_size=CHUNK)
     return out
 
 
 if __name__ == "__main__":
-    res = run(sys.argv[1])
+    res = run(sys.argv[1], text="--no-text" not in sys.argv[3:])
     if distributed.launched_rank() == 0:
         np.savez(sys.argv[2], **{k: v for k, v in res.items() if isinstance(v, np.ndarray)})
         with open(sys.argv[2] + ".json", "w") as f:

@@ -10,9 +10,15 @@ implementations of the same model, so the bound is the parity tests' one against
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
+import re
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,14 +36,37 @@ from mlx_dgemma.loader import build_model
 from mlx_dgemma.validate import check_model_dir, model_dir_shards
 
 sys.path.insert(0, str(Path(__file__).parent))
+import agree_worker  # noqa: E402
 import distributed_worker  # noqa: E402
 import lockstep_worker  # noqa: E402
+from test_tui_quit import CANCELLED, CTRL_Q, ESCAPE, Terminal, ask, assert_clean_exit  # noqa: E402
 
 TOL = 1e-5
+
+
+def _free_ports() -> int:
+    """A port P with P and P + 1 free on loopback: the ring's two ranks listen there. Not MLX's
+    fixed default (32323), which two test runs on one machine at once would share, their ranks
+    then meeting each other's."""
+    import random
+    import socket
+
+    for _ in range(100):
+        port = random.randint(20000, 59000)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    return 32323
+
+
 # `mlx.launch` (MLX's console script) with this interpreter, wherever the script was installed
 LAUNCH = [sys.executable, "-c", "import sys; from importlib.metadata import entry_points; "
           "sys.exit(entry_points(group='console_scripts')['mlx.launch'].load()())",
-          "-n", "2", "--backend", "ring", "--"]
+          "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports()), "--"]
 
 needs_ring = pytest.mark.skipif(not mx.distributed.is_available(), reason="this MLX build has no distributed backend")
 
@@ -75,6 +104,34 @@ def test_two_ranks_reproduce_one_process(demo_dir, tmp_path):
 
 
 @needs_ring
+def test_two_ranks_reproduce_one_process_on_medium(tmp_path):
+    """The benchmark's `medium` config (random Q4_K_M weights, 8 heads, 32 experts; canvas 32 to
+    keep it short): per-rank loading, a multi-chunk prefill and the logits with and without
+    self-conditioning, 2 ranks against one process (each pass to 1e-5 given the same input).
+    Random weights are chaotic (a 1e-7 difference can flip a near-tie in the sampler), so the
+    text is compared on the demo only."""
+    from mlx_dgemma.bench.configs import build
+
+    _, model_dir = build("medium", tmp_path, 32)
+    out = tmp_path / "ranks.npz"
+    r = launch([sys.executable, distributed_worker.__file__, str(model_dir), str(out), "--no-text"], timeout=600)
+    assert out.is_file(), r.stdout + r.stderr
+    got, meta = np.load(out), json.loads(Path(str(out) + ".json").read_text())
+    ref = distributed_worker.run(str(model_dir), text=False)
+    assert meta["ranks"] == 2 and meta["chunks"] == ref["chunks"] >= 3
+    assert got["first"].shape == ref["first"].shape and rel(got["first"], ref["first"]) <= TOL
+    # Each pass against one process's on the same input: the self-conditioned passes read the
+    # first pass's logits, and on random weights the rounding of those (above) grows through
+    # softmax and six layers (measured: the first pass 3.7e-6; the self-conditioned ones 4.4e-6
+    # exact / 4.0e-6 top-k given the same input, 1.5e-5 / 8.2e-6 end to end).
+    same_input = distributed_worker.run(str(model_dir), text=False, sc_input=got["first"])
+    for name in ("sc", "sc_top_k"):
+        assert got[name].shape == ref[name].shape
+        assert rel(got[name], same_input[name]) <= TOL, (name, rel(got[name], same_input[name]))
+        assert rel(got[name], ref[name]) <= 10 * TOL, (name, rel(got[name], ref[name]))
+
+
+@needs_ring
 def test_generate_cli_under_mlx_launch():
     """`mlx.launch -n 2 -- python -m mlx_dgemma generate --demo --json`: one JSON line (rank 0
     alone prints), "ranks": 2, and the text of one process with the same seed."""
@@ -89,20 +146,94 @@ def test_generate_cli_under_mlx_launch():
     assert res["text"] == generate(rt, "In the beginning", seed=0, max_denoising_steps=8, max_new_tokens=64)
 
 
-def test_chat_refuses_several_ranks(monkeypatch, capsys):
-    """One line naming the command and what to use instead, before any loading (the group is
-    stubbed: starting one needs mlx.launch; the launch tests above cover a real one)."""
+def test_chat_under_mlx_launch_needs_a_model(monkeypatch, capsys):
+    """Rank 0's app cannot offer the demo later: the other ranks load what it loads, at start.
+    One line, before any loading (MLX_RANK is what mlx.launch sets)."""
     from mlx_dgemma.cli import main
 
-    class TwoRanks:
-        def size(self) -> int:
-            return 2
-
-    monkeypatch.setattr(distributed, "world", lambda: TwoRanks())
-    monkeypatch.setenv("MLX_RANK", "0")  # what mlx.launch sets: the command line looks for a group only then
-    assert main(["chat", "--demo"]) != 0
+    monkeypatch.setenv("MLX_RANK", "0")
+    monkeypatch.delenv("MLX_DGEMMA_MODEL", raising=False)
+    assert main(["chat"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "runs in one process" in err[0] and "generate" in err[0], err
+    assert len(err) == 1 and "needs --model PATH or --demo" in err[0], err
+
+
+def test_rank_terminal_refuses_a_rank_started_over_ssh(monkeypatch):
+    """A hostfile's rank runs under ``ssh -tt``: its stdin is ssh's terminal, whose screen
+    reaches the user only through the launcher's pipes. Refused in one line naming serve."""
+    import pty
+
+    from mlx_dgemma.launch import rank_terminal
+
+    master, slave = pty.openpty()
+    try:
+        with open(slave, closefd=False) as tty_in:
+            monkeypatch.setattr(sys, "stdin", tty_in)
+            with pytest.raises(ParameterError, match="started over ssh.*serve"):
+                with rank_terminal("chat"):
+                    pytest.fail("entered without a terminal of its own")
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+@needs_ring
+def test_chat_under_mlx_launch_without_a_terminal_refuses(tmp_path):
+    """Rank 0 with no controlling terminal (a new session, pipes only): one line naming what to
+    do instead, and no rank is left behind (the launcher returns)."""
+    r = subprocess.run(LAUNCH + [sys.executable, "-m", "mlx_dgemma", "chat", "--demo"], capture_output=True,
+                       text=True, timeout=120, start_new_session=True, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "MLX_DGEMMA_CACHE": str(tmp_path)})
+    errors = sorted(ln for ln in r.stderr.splitlines() if "error:" in ln)
+    assert len(errors) == 2 and errors[1].startswith("mlx-dgemma chat: error: chat under mlx.launch: rank 0 has no "
+                                                      "terminal ("), r.stderr
+    reason = errors[1].split("error: ", 1)[1]
+    assert "`serve` under mlx.launch" in reason and "mlx.launch -n 2" in reason, reason
+    # rank 1 learns it at its first agreement point, before loading anything
+    assert errors[0] == f"[rank 1] mlx-dgemma chat: error: rank 0: {reason}", r.stderr
+    assert "Traceback" not in r.stderr and "loading" not in r.stderr, r.stderr
+
+
+class LaunchedTerminal(Terminal):
+    """``mlx.launch -n 2 -- python -m mlx_dgemma chat ...`` in a pseudo-terminal that is the
+    launcher's controlling terminal, as a shell's terminal is (the ranks inherit it)."""
+
+    def __init__(self, *args: str, rows: int = 30, cols: int = 120, env: dict | None = None):
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        env = {**os.environ, "TERM": "xterm-256color", **(env or {})}
+        env.pop("TEXTUAL", None)
+        # a new session whose controlling terminal is the pty, then the launcher
+        take_tty = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                    "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+        cmd = [sys.executable, "-c", take_tty, *LAUNCH[1:], sys.executable, "-m", "mlx_dgemma", *args]
+        self.proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env,
+                                     start_new_session=True, close_fds=True)
+        os.close(slave)
+        self.out = bytearray()
+
+
+@needs_ring
+def test_chat_under_mlx_launch(tmp_path):
+    """`mlx.launch -n 2 -- python -m mlx_dgemma chat --demo` from a terminal: rank 0's app draws
+    on the launcher's terminal and gets its keys; rank 1 follows. An answer, Escape mid-answer,
+    another answer (its steps run on both ranks: they are still in lockstep), Ctrl+Q during it:
+    every rank ends (the launcher returns 0 only then), nothing but the app on the screen."""
+    term = LaunchedTerminal("chat", "--demo", env={"MLX_DGEMMA_CACHE": str(tmp_path)})
+    try:
+        at = ask(term, "Who was Moses?")
+        term.send(ESCAPE)
+        at = term.wait_for(CANCELLED, at)
+        term.send(b"And Aaron?\r")
+        term.wait_for(re.compile(rb"step [2-9]\d*/\d+"), at)  # a second step: both ranks ran the first
+        term.send(CTRL_Q)
+        assert_clean_exit(term)
+    finally:
+        if term.proc.poll() is None:
+            _kill_all(term.proc)
+    text = term.text
+    for bad in ("error", "Traceback", "WARN", "lost rank"):
+        assert bad not in text, text[-1500:]
 
 
 def _rank_pids(launcher: int) -> dict[int, int]:
@@ -278,6 +409,42 @@ def test_chat_jobs_in_lockstep_under_mlx_launch(tmp_path, monkeypatch):
     assert [(t["reason"], t["steps"]) for t in ref[1:4]] == [("cancelled", 2), ("eos", 4), (None, 3)]
     assert ref[3]["history"] == 0 and ref[3]["messages"] == ref[2]["messages"] and ref[4]["messages"] == 3
     assert "send/recv errors" not in r.stderr, r.stderr
+
+
+@needs_ring
+def test_a_load_failing_on_one_rank_stops_every_rank():
+    """Rank 1's load fails (a memory plan refusing on the smaller Mac): rank 0, loaded, does not
+    go on alone into the first collective; every rank exits with one line, rank 0's naming
+    rank 1 and its reason, and no traceback."""
+    reason = "the model needs 9.0 GB but 4.0 GB is available on rank 1's Mac"
+    r = launch([sys.executable, agree_worker.__file__, "load", "generate", "--demo", "--prompt", "Hi",
+                "--max-tokens", "64"], timeout=180)
+    errors = sorted(ln for ln in r.stderr.splitlines() if "error:" in ln)
+    assert errors == [f"[rank 1] mlx-dgemma generate: error: {reason}",
+                      f"mlx-dgemma generate: error: rank 1: {reason}"], r.stderr
+    assert "Traceback" not in r.stderr and not r.stdout.strip(), r.stderr
+    codes = re.findall(r"rank (\d) exited with code (-?\d+)", r.stderr)
+    assert {rank for rank, code in codes if code != "0"} == {"0", "1"}, r.stderr
+
+
+@needs_ring
+def test_a_memory_check_failing_on_one_rank_keeps_the_ranks_in_lockstep(tmp_path, monkeypatch):
+    """Rank 1's memory check of a prompt fails (rank 0's passes): the generation fails on every
+    rank before any model collective (rank 0 names rank 1's reason), and the next one runs in
+    lockstep and gives one process's text. Before, rank 1 skipped the generation while rank 0
+    ran it: their collectives no longer matched (a hang, or a lost connection)."""
+    from mlx_dgemma.lockstep import ModelRuntime
+
+    monkeypatch.setenv("MLX_DGEMMA_CACHE", str(tmp_path))
+    out = tmp_path / "agree.json"
+    r = launch([sys.executable, agree_worker.__file__, "fits", str(out)], timeout=180)
+    assert out.is_file(), r.stdout + r.stderr
+    got = json.loads(out.read_text())
+    assert got["error"] == ["MemoryBudgetError",
+                            "rank 1: this prompt needs 9.0 GB but 4.0 GB is available on rank 1's Mac"], got
+    ref = [ev.text for ev in ModelRuntime(load_demo()).generate(agree_worker.PROMPT, **agree_worker.PARAMS)
+           if type(ev).__name__ == "DoneEvent"]
+    assert got["text"] == ref and len(ref[0]) > 3, (got, ref)
 
 
 def _unloaded(model_dir: Path):

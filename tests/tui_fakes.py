@@ -28,6 +28,7 @@ class ScriptedBackend:
         self.think, self.system = think, system
         self.systems: list[str | None] = []  # the system prompt of each new chat
         self.loaded = self.resets = 0
+        self.closed = False
         self.prompts: list[tuple[str, dict]] = []
         self.thinks: list[bool] = []  # the thought channel of each answer
         self.produced = 0  # steps yielded so far (engine thread)
@@ -39,6 +40,9 @@ class ScriptedBackend:
     def reset(self, system: str | None = None) -> None:
         self.resets += 1
         self.systems.append(system)
+
+    def close(self) -> None:
+        self.closed = True
 
     def piece(self, token_id: int) -> str:
         return WORDS[token_id % len(WORDS)]

@@ -63,12 +63,17 @@ class DGemmaApp(App):
         from .screens.chat import ChatScreen
         from .screens.welcome import WelcomeScreen
 
+        from mlx_dgemma.launch import launched
+
         if self.load_error is not None:
             return
         self.load_error = message
         if self.engine is not None:
             self.engine.stop()
             self.engine = None
+        if launched():  # under mlx.launch the other ranks load what rank 0 does: no demo to offer
+            self.exit(return_code=LOAD_FAILED_EXIT)
+            return
         if isinstance(self.screen, ChatScreen):
             self.pop_screen()
         self.push_screen(WelcomeScreen(error=message, model=self.backend.label if self.backend is not None else None))

@@ -44,6 +44,10 @@ class Backend(Protocol):
     def reset(self, system: str | None = None) -> None:
         """Forget the conversation (a new chat), which starts with ``system`` as its system prompt."""
 
+    def close(self) -> None:
+        """The app quits; called once, on the engine thread, after its last job (under
+        ``mlx.launch`` the real backend tells the other ranks to leave here)."""
+
     def memory_bytes(self) -> int:
         """Memory the process holds now."""
 
@@ -55,14 +59,15 @@ class Backend(Protocol):
 
 
 class ModelBackend:
-    """The real model behind a :class:`mlx_dgemma.ChatSession` (a :class:`Backend`)."""
+    """The real model behind a :class:`mlx_dgemma.ChatSession` (a :class:`Backend`), run through
+    the core's :class:`mlx_dgemma.lockstep.ModelRuntime`: in one process it calls the session
+    directly; under ``mlx.launch`` it first tells the other ranks (which follow it) each call."""
 
     def __init__(self, model: str | None = None, demo: bool = False, dtype: str | None = None,
                  precision: str = "auto", think: bool = False, system: str | None = None):
         self.model_path, self.demo, self.dtype, self.precision = model, demo, dtype, precision
         self.think, self.system = think, system or None
-        self.runtime = None
-        self.session = None
+        self.runtime = None  # the ModelRuntime, once loaded
         self.tokenizer = None
         self.generation_config: dict[str, Any] = {}
         self.label = "demo model (tiny, trained on the KJV Bible)" if demo else str(model)
@@ -71,8 +76,8 @@ class ModelBackend:
         self.precision_label = ""
 
     def load(self, progress: Callable[[str], None]) -> None:
-        from mlx_dgemma.generation import ChatSession
         from mlx_dgemma.loader import open_model
+        from mlx_dgemma.lockstep import ModelRuntime
 
         if self.demo:
             progress("loading the demo model")
@@ -82,22 +87,28 @@ class ModelBackend:
         self.generation_config = dict(runtime.generation_config)
         self.canvas_length = runtime.model.args.canvas_length
         self.precision_label = runtime.precision.label
-        self.runtime = runtime
-        self.session = ChatSession(runtime, self.generation_config, enable_thinking=self.think,
-                                   system=self.system)
+        self.runtime = ModelRuntime(runtime, self.generation_config)
+        self.runtime.new_chat(enable_thinking=self.think, system=self.system)
+
+    @property
+    def session(self):
+        """The conversation's :class:`mlx_dgemma.ChatSession` (None before the load)."""
+        return self.runtime.session if self.runtime is not None else None
 
     def stream(self, prompt: str, cancel: Callable[[], bool], think: bool = False,
                **params: Any) -> Iterator[Event]:
-        self.session.enable_thinking = think  # per turn: a follow-up's markup says whether to think
-        yield from self.session.stream(prompt, cancel=cancel, **params)
+        # per turn: a follow-up's markup says whether to think
+        yield from self.runtime.chat(prompt, cancel=cancel, enable_thinking=think, **params)
 
     def reset(self, system: str | None = None) -> None:
-        from mlx_dgemma.generation import ChatSession
-
         self.system = system or None
         if self.runtime is not None:  # the system prompt opens the cache: a new session, not an edit
-            self.session = ChatSession(self.runtime, self.generation_config,
-                                       enable_thinking=self.session.enable_thinking, system=self.system)
+            self.runtime.new_chat(enable_thinking=self.session.enable_thinking, system=self.system)
+
+    def close(self) -> None:
+        """The app quits (on the engine thread): under mlx.launch the other ranks leave too."""
+        if self.runtime is not None:
+            self.runtime.shutdown()
 
     def piece(self, token_id: int) -> str:
         return self.tokenizer.piece(token_id) if self.tokenizer else str(token_id)
@@ -136,7 +147,7 @@ class Engine:
     def __init__(self, backend: Backend, post: Callable[[Message], None]):
         self.backend = backend
         self._post = post
-        self.worker: ModelWorker[None] = ModelWorker(self._load, name="mlx-dgemma-engine")
+        self.worker: ModelWorker[None] = ModelWorker(self._load, name="mlx-dgemma-engine", finish=self._close)
         self.loaded = False
         self._answer: Ticket | None = None  # the last answer's job: what Escape cancels
 
@@ -179,6 +190,10 @@ class Engine:
             return None
 
     # the worker's side (every MLX call happens here) ---------------------------------------
+    def _close(self) -> None:
+        """The worker's last call, on its thread: a sharded model's other ranks leave."""
+        self.backend.close()
+
     def _progress(self, detail: str) -> None:
         if self.worker.stopping:  # Ctrl+Q while loading: give up between tensors
             raise WorkerStopped("stopped while loading")
