@@ -297,13 +297,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     done: DoneEvent | None = None
     trace = None
     if args.trace:
-        from dataclasses import asdict
-
         from .generation import precision_label
         from .sampler import SamplerParams
-        from .trace import Trace, trace_header
+        from .trace import Trace, settings_in_effect, trace_header
 
-        settings = asdict(SamplerParams.from_config(gen_cfg, **overrides))
+        settings = settings_in_effect(SamplerParams.from_config(gen_cfg, **overrides), model)
         trace = Trace(header=trace_header(args.prompt, settings, "demo model" if args.demo else str(args.model),
                                           precision_label(model), seed=settings.pop("seed"),
                                           thinking=args.think, raw=args.raw))

@@ -26,6 +26,14 @@ OUTPUTS = ("canvas", "argmax", "accepted", "entropy", "processed", "stop", "hist
 TRACED_FIELDS = ("entropy_bound", "stability_threshold", "confidence_threshold", "sc_top_k", "accept_probability")
 
 
+def effective_sc_top_k(model: DiffusionGemma, params: SamplerParams) -> int | None:
+    """The self-conditioning top-k a step of ``model`` runs with: the request's ``sc_top_k``, else
+    the runtime precision's (fast: ``FAST_SC_TOP_K``); None = the whole vocabulary (exact)."""
+    k = params.sc_top_k if params.sc_top_k is not None else getattr(getattr(model, "precision", None),
+                                                                    "sc_top_k", None)
+    return None if k is None or k >= model.args.vocab_size else k
+
+
 class StepFunction:
     """``step(canvas, sc_logits | None, temperature, key, history, cache, revealed=None) -> dict`` of
     OUTPUTS (``revealed``: the confidence-threshold mode's revealed canvas, -1 where hidden)."""
@@ -37,10 +45,7 @@ class StepFunction:
             raise ParameterError("accept_probability: the confidence-threshold mode runs in one process; leave it "
                                  "out under mlx.launch (EntropyBound, the default, runs across ranks)")
         self.model, self.params = model, params
-        # a request's --sc-top-k, else the precision's (fast: FAST_SC_TOP_K; exact: the whole vocabulary)
-        k = params.sc_top_k if params.sc_top_k is not None else getattr(getattr(model, "precision", None),
-                                                                        "sc_top_k", None)
-        self.sc_top_k = None if k is None or k >= model.args.vocab_size else k
+        self.sc_top_k = effective_sc_top_k(model, params)
         self.dtype = dtype or getattr(model, "activation_dtype", mx.float32)  # the runtime precision's activations
         self.compiled = compile
         self._fns: dict[bool, Callable] = {}

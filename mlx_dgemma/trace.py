@@ -48,6 +48,20 @@ def trace_header(prompt: str, settings: dict[str, Any], model: str, precision: s
             "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}, **extra}
 
 
+def settings_in_effect(params: Any, model: Any = None) -> dict[str, Any]:
+    """The sampler settings a header records: every field of ``params`` (a
+    :class:`mlx_dgemma.sampler.SamplerParams`), with ``sc_top_k`` as the step runs it (the
+    request's, else the runtime precision's: fast's top-64; None = the whole vocabulary)."""
+    from dataclasses import asdict
+
+    settings = asdict(params)
+    if model is not None:
+        from .step import effective_sc_top_k
+
+        settings["sc_top_k"] = effective_sc_top_k(model, params)
+    return settings
+
+
 @dataclass
 class Trace:
     blocks: list[list[StepEvent]] = field(default_factory=list)
