@@ -112,7 +112,7 @@ class StepFunction:
                  history: mx.array, cache: KVCache | None, revealed: mx.array | None = None) -> dict[str, mx.array]:
         self._cache = cache
         real = isinstance(cache, KVCache)
-        state = cache.state() if real else []
+        state = cache.step_state() if real else []  # the filled slots: one trace per rounded length
         offset = mx.array(cache.offset if real else 0, dtype=mx.int32)
         revealed = revealed if revealed is not None else initial_revealed(canvas.shape)
         try:
