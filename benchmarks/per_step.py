@@ -45,6 +45,61 @@ def one_round(gguf: Path, model_dir: Path, args: argparse.Namespace) -> dict:
     return out
 
 
+def same_process(gguf: Path, model_dir: Path, args: argparse.Namespace) -> dict:
+    """All rows loaded in one process and timed whole step by whole step in turn (ours: the
+    compiled step, as generation runs it; mlx-vlm: its decoder pass and next self-conditioning,
+    as ``bench`` times it): the fairest ratio on a machine whose load changes by the minute."""
+    import mlx.core as mx
+
+    from mlx_dgemma import load
+    from mlx_dgemma.bench.configs import random_inputs
+    from mlx_dgemma.bench.peers import mlx_vlm_model_from_gguf
+    from mlx_dgemma.sampler import SamplerParams
+    from mlx_dgemma.step import StepFunction
+
+    steps = {}
+    for row in args.rows.split(","):
+        if row == "mlx-vlm":
+            vlm = mlx_vlm_model_from_gguf(gguf, dtype=mx.float32)
+            C = vlm.config.canvas_length
+            prompt, canvas = random_inputs(vlm.config.text_config, C, args.prompt_len)
+            vc = vlm.make_cache()
+            vlm.diffusion_prefill_cache(prompt, cache=vc)
+            emb = vlm.diffusion_prepare_self_conditioning()
+            vsc = vlm.diffusion_self_conditioning(vlm.diffusion_decoder_logits(canvas, cache=vc), emb)
+            mx.eval(vsc, [c.state for c in vc])
+            steps[row] = (lambda vlm=vlm, canvas=canvas, vc=vc, vsc=vsc, emb=emb: vlm.diffusion_self_conditioning(
+                vlm.diffusion_decoder_logits(canvas, cache=vc, self_conditioning=vsc), emb))
+        else:
+            m, _ = load(str(model_dir), precision=row)
+            C = m.args.canvas_length
+            prompt, canvas = random_inputs(m.args, C, args.prompt_len)
+            cache = m.make_cache()
+            m.prefill(prompt, cache)
+            sc = m.denoise(canvas, cache)
+            mx.eval(sc)
+            fn = StepFunction(m, SamplerParams())
+            hist = fn.initial_history((1, C))
+            steps[row] = (lambda fn=fn, canvas=canvas, sc=sc, hist=hist, cache=cache:
+                          list(fn(canvas, sc, 0.6, mx.random.key(0), hist, cache).values()))
+        log(f"{row}: ready")
+    times = {row: [] for row in steps}
+    for rep in range(args.warmup + args.steps):
+        for row, fn in steps.items():
+            t0 = time.perf_counter()
+            mx.eval(fn())
+            if rep >= args.warmup:
+                times[row].append(time.perf_counter() - t0)
+        log(f"rep {rep + 1}: " + ", ".join(f"{r} {t[-1]:.2f} s" for r, t in times.items() if t))
+    out = {"load_average": os.getloadavg(), "load_average_after": os.getloadavg(), "same_process": True,
+           **{row: {"seconds_per_step": statistics.median(t), "all_seconds": t} for row, t in times.items()}}
+    if "mlx-vlm" in times:  # each step against the mlx-vlm step timed next to it
+        for row, t in times.items():
+            out[row]["median_step_ratio_to_mlx_vlm"] = statistics.median(a / b for a, b in zip(t, times["mlx-vlm"]))
+            log(f"{row}: median of step-by-step ratios to mlx-vlm {out[row]['median_step_ratio_to_mlx_vlm']:.2f}x")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="medium")
@@ -59,6 +114,9 @@ def main() -> int:
     p.add_argument("--child-timeout", type=float, default=7200.0)
     p.add_argument("--workdir", default=".bench-cache")
     p.add_argument("--json", default="per-step.json")
+    p.add_argument("--same-process", action="store_true",
+                   help="load every row in one process and alternate whole steps (each round = --steps "
+                        "steps of each row in turn) instead of one process per row")
     args = p.parse_args()
     gguf, model_dir = build(args.config, Path(args.workdir), args.canvas)
     rows = args.rows.split(",")
@@ -66,7 +124,8 @@ def main() -> int:
               "rounds": []}
     for i in range(args.rounds):
         log(f"round {i + 1}/{args.rounds}, load average {os.getloadavg()[0]:.1f}")
-        result["rounds"].append(one_round(gguf, model_dir, args))
+        result["rounds"].append(same_process(gguf, model_dir, args) if args.same_process
+                                else one_round(gguf, model_dir, args))
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     summary = {}
     for row in rows:
