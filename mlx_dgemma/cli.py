@@ -298,12 +298,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     done: DoneEvent | None = None
     trace = None
     if args.trace:
-        from dataclasses import asdict
-
         from .sampler import SamplerParams
-        from .trace import Trace, trace_header
+        from .trace import Trace, settings_in_effect, trace_header
 
-        settings = asdict(SamplerParams.from_config(gen_cfg, **overrides))
+        params_in_effect = SamplerParams.from_config(gen_cfg, **overrides)
+        settings = settings_in_effect(params_in_effect, runtime.sc_top_k(params_in_effect))
         trace = Trace(header=trace_header(args.prompt, settings, "demo model" if args.demo else str(args.model),
                                           runtime.precision.label, seed=settings.pop("seed"),
                                           thinking=args.think, raw=args.raw))

@@ -18,7 +18,7 @@ from .errors import ParameterError
 from .model import DiffusionGemma
 from .precision import Precision
 from .sampler import SamplerParams
-from .step import StepFunction, step_key
+from .step import StepFunction, effective_sc_top_k, step_key
 from .tokenizer import Tokenizer
 
 EXACT = Precision("exact", mx.float32)
@@ -61,6 +61,10 @@ class Runtime:
     def group(self) -> mx.distributed.Group | None:
         """The tensor-parallel group the model is sharded over (None: one process)."""
         return self.model.group
+
+    def sc_top_k(self, params: SamplerParams) -> int | None:
+        """The self-conditioning top-k a step under ``params`` runs with (None: the whole vocabulary)."""
+        return effective_sc_top_k(params, self.model.args.vocab_size, self.precision.sc_top_k)
 
     def step(self, params: SamplerParams, dtype: mx.Dtype | None = None) -> StepFunction:
         """The compiled step for these traced sampler fields, built once per runtime.

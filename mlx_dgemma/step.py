@@ -32,6 +32,14 @@ def step_key(params: SamplerParams, dtype: mx.Dtype) -> tuple:
     return tuple(getattr(params, f) for f in TRACED_FIELDS), str(dtype)
 
 
+def effective_sc_top_k(params: SamplerParams, vocab_size: int, precision_sc_top_k: int | None) -> int | None:
+    """The self-conditioning top-k a step runs with: the request's ``sc_top_k``, else the runtime
+    precision's (fast: ``FAST_SC_TOP_K``); None = the whole vocabulary (exact). The one place of
+    this rule: the step, ``Runtime.sc_top_k`` and the trace headers read it."""
+    k = params.sc_top_k if params.sc_top_k is not None else precision_sc_top_k
+    return None if k is None or k >= vocab_size else k
+
+
 class StepFunction:
     """``step(canvas, sc_logits | None, temperature, key, history, cache, revealed=None) -> dict`` of
     OUTPUTS (``revealed``: the confidence-threshold mode's revealed canvas, -1 where hidden).
@@ -47,9 +55,7 @@ class StepFunction:
             raise ParameterError("accept_probability: the confidence-threshold mode runs in one process; leave it "
                                  "out under mlx.launch (EntropyBound, the default, runs across ranks)")
         self.model, self.params = model, params
-        # a request's --sc-top-k, else the precision's (fast: FAST_SC_TOP_K; exact: None, the whole vocabulary)
-        k = params.sc_top_k if params.sc_top_k is not None else precision_sc_top_k
-        self.sc_top_k = None if k is None or k >= model.args.vocab_size else k
+        self.sc_top_k = effective_sc_top_k(params, model.args.vocab_size, precision_sc_top_k)
         self.dtype = dtype  # the runtime precision's activations
         self.compiled = compile
         self._fns: dict[bool, Callable] = {}
@@ -93,7 +99,7 @@ class StepFunction:
     def __call__(self, canvas: mx.array, sc: mx.array | None, temperature: float, key: mx.array,
                  history: mx.array, cache: KVCache, revealed: mx.array | None = None) -> dict[str, mx.array]:
         self._cache = cache
-        state = cache.state()
+        state = cache.step_state()  # the filled slots: one trace per rounded length
         offset = mx.array(cache.offset, dtype=mx.int32)
         revealed = revealed if revealed is not None else initial_revealed(canvas.shape)
         try:

@@ -48,6 +48,16 @@ def trace_header(prompt: str, settings: dict[str, Any], model: str, precision: s
             "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}, **extra}
 
 
+def settings_in_effect(params: Any, sc_top_k: int | None) -> dict[str, Any]:
+    """The sampler settings a header records: every field of ``params`` (a
+    :class:`mlx_dgemma.sampler.SamplerParams`), with ``sc_top_k`` as the step runs it
+    (``Runtime.sc_top_k``: the request's, else the runtime precision's, fast's top-64; None =
+    the whole vocabulary)."""
+    from dataclasses import asdict
+
+    return {**asdict(params), "sc_top_k": sc_top_k}
+
+
 @dataclass
 class Trace:
     blocks: list[list[StepEvent]] = field(default_factory=list)

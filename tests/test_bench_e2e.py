@@ -63,3 +63,22 @@ def test_missing_model_is_one_line(tmp_path):
                               json=str(tmp_path / "e.json"))
     with pytest.raises(ParameterError, match="--e2e-models: .*nope.gguf: no such file"):
         main(args)
+
+
+def test_interleaved_rows_give_the_same_answers(tiny_gguf):
+    """``--e2e-interleave`` (rows taking turns prompt by prompt, each in a long-lived process)
+    measures the same answers as the rows run one after the other."""
+    pytest.importorskip("mlx_vlm", reason="the peer: pip install -e '.[bench]'")
+    from mlx_dgemma.bench.e2e import ROWS, e2e_mlx_vlm, run_e2e
+
+    model, prompts, seeds = str(tiny_gguf), ["hi there", "who made the stars?"], [0, 1]
+    rows = tuple(r for r in ROWS if r[0] in ("ours-default", "mlx-vlm-default"))
+    res = run_e2e([model], prompts, seeds, rows=rows, overrides=OVERRIDES, interleave=True)
+    entry = res["models"][model]
+    assert res["interleaved"] and "ours_vs_mlx_vlm_defaults" in entry
+    alone = {"ours-default": e2e_ours(model, prompts, seeds, overrides=OVERRIDES, warmup=False),
+             "mlx-vlm-default": e2e_mlx_vlm(model, prompts, seeds, overrides=OVERRIDES, warmup=False)}
+    for name, row in alone.items():
+        assert entry[name]["impl"] == row["impl"] and entry[name]["sampler"] == row["sampler"]
+        assert [r["answer_ids"] for r in entry[name]["runs"]] == [r["answer_ids"] for r in row["runs"]]
+        assert [r["prompt"] for r in entry[name]["runs"]] == prompts

@@ -82,6 +82,22 @@ def test_blocks_count_from_1(spy, capsys, clean_env, tmp_path):
     assert [(r["block"], r["step"]) for r in records] == [(s.block, s.step) for s in steps]
 
 
+def test_trace_header_records_the_sc_top_k_in_effect(capsys, clean_env, tmp_path):
+    """fast self-conditions from the top 64 tokens unless asked otherwise; the header said null."""
+    from mlx_dgemma.precision import FAST_SC_TOP_K
+
+    def header(*flags: str) -> dict:
+        path = tmp_path / "t.jsonl"
+        assert main([*DEMO_RUN, "--steps", "2", "--max-tokens", "64", "--trace", str(path), *flags]) == 0
+        capsys.readouterr()
+        return json.loads(path.read_text().splitlines()[0])
+
+    fast = header()
+    assert fast["precision"].startswith("fast") and fast["settings"]["sc_top_k"] == FAST_SC_TOP_K
+    assert header("--precision", "exact")["settings"]["sc_top_k"] is None  # the whole vocabulary
+    assert header("--sc-top-k", "16")["settings"]["sc_top_k"] == 16  # the request wins
+
+
 def test_step_line_on_a_terminal_only(spy, capsys, monkeypatch, clean_env):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(DEMO_RUN) == 0

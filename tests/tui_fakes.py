@@ -50,6 +50,9 @@ class ScriptedBackend:
     def decode(self, ids: list[int]) -> str:
         return "".join(self.piece(t) for t in ids)
 
+    def sc_top_k(self, params) -> int | None:
+        return params.sc_top_k  # a scripted model has no precision of its own
+
     def memory_bytes(self) -> int:
         return 123_000_000
 

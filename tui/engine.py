@@ -51,6 +51,10 @@ class Backend(Protocol):
     def memory_bytes(self) -> int:
         """Memory the process holds now."""
 
+    def sc_top_k(self, params: Any) -> int | None:
+        """The self-conditioning top-k an answer under ``params`` (SamplerParams) runs with, for
+        the trace's header (the loaded precision's unless ``params`` sets one)."""
+
     def piece(self, token_id: int) -> str:
         """One token's text, for the canvas."""
 
@@ -115,6 +119,9 @@ class ModelBackend:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer else ""
+
+    def sc_top_k(self, params: Any) -> int | None:
+        return self.runtime.runtime.sc_top_k(params) if self.runtime is not None else params.sc_top_k
 
     def memory_bytes(self) -> int:
         from mlx_dgemma.memory import memory_bytes

@@ -95,6 +95,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(mlx_dgemma.bench.e2e)")
     p.add_argument("--e2e-models", help="--e2e: comma-separated GGUF files (default: the trained demo)")
     p.add_argument("--e2e-prompts", type=int, default=8, help="--e2e: how many of its 8 prompts to run")
+    p.add_argument("--e2e-interleave", action="store_true",
+                   help="--e2e: the rows take turns prompt by prompt (one long-lived process each) instead of "
+                        "running one after the other: fair ratios on a machine whose load changes")
 
 
 @dataclass(frozen=True)

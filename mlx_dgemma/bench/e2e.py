@@ -81,9 +81,9 @@ def _summary(impl: str, sampler: str, runs: list[dict]) -> dict:
             "runs": runs}
 
 
-def e2e_ours(model: str, prompts: list[str], seeds: list[int], label: str = "mlx-dgemma",
-             precision: str = "auto", overrides: dict | None = None, warmup: bool = True) -> dict:
-    """Our ``stream_generate`` on each prompt (one isolated measurement)."""
+def _ours_answerer(model: str, precision: str = "auto", overrides: dict | None = None,
+                   label: str = "mlx-dgemma") -> tuple[str, str, Any]:
+    """(impl label, sampler label, answer(text, seed) -> run dict) for our ``stream_generate``."""
     from mlx_dgemma import load
     from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent
     from mlx_dgemma.generation import stream_generate
@@ -95,11 +95,8 @@ def e2e_ours(model: str, prompts: list[str], seeds: list[int], label: str = "mlx
     eos = SamplerParams.from_config(rt.generation_config, **overrides).eos_token_id
     sampler = ("confidence threshold " + str(overrides["accept_probability"])) \
         if overrides.get("accept_probability") is not None else "EntropyBound"
-    if warmup:
-        for _ in stream_generate(rt, _prompt_ids(tok, WARMUP_PROMPT), seed=0, **overrides):
-            pass
-    runs = []
-    for text, seed in zip(prompts, seeds):
+
+    def answer(text: str, seed: int) -> dict:
         ids = _prompt_ids(tok, text)
         t0 = time.perf_counter()
         first = prefill = None
@@ -113,13 +110,23 @@ def e2e_ours(model: str, prompts: list[str], seeds: list[int], label: str = "mlx
                 done = ev
         wall = time.perf_counter() - t0
         assert done is not None and prefill is not None
-        answer = _answer_tokens(list(done.tokens), eos)
-        runs.append({"prompt": text, "seed": seed, "prompt_tokens": len(ids), "answer_ids": answer,
-                     "answer": tok.decode(answer), "wall_s": wall, "prefill_s": prefill,
-                     "first_block_s": first if first is not None else wall,
-                     "steps_per_block": list(done.steps_per_block)})
-        log(f"{label}: {text[:30]!r}: {len(answer)} tokens, steps {list(done.steps_per_block)}, {wall:.1f} s")
-    return _summary(f"{label} {rt.precision.label}", sampler, runs)
+        ans = _answer_tokens(list(done.tokens), eos)
+        log(f"{label}: {text[:30]!r}: {len(ans)} tokens, steps {list(done.steps_per_block)}, {wall:.1f} s")
+        return {"prompt": text, "seed": seed, "prompt_tokens": len(ids), "answer_ids": ans,
+                "answer": tok.decode(ans), "wall_s": wall, "prefill_s": prefill,
+                "first_block_s": first if first is not None else wall,
+                "steps_per_block": list(done.steps_per_block)}
+
+    return f"{label} {rt.precision.label}", sampler, answer
+
+
+def e2e_ours(model: str, prompts: list[str], seeds: list[int], label: str = "mlx-dgemma",
+             precision: str = "auto", overrides: dict | None = None, warmup: bool = True) -> dict:
+    """Our ``stream_generate`` on each prompt (one isolated measurement)."""
+    impl, sampler, answer = _ours_answerer(model, precision, overrides, label)
+    if warmup:
+        answer(WARMUP_PROMPT, 0)
+    return _summary(impl, sampler, [answer(text, seed) for text, seed in zip(prompts, seeds)])
 
 
 class _Detokenizer:
@@ -174,11 +181,11 @@ def mlx_vlm_generation_config(gc: dict) -> dict:
                                           "confidence_threshold": p.confidence_threshold}}
 
 
-def e2e_mlx_vlm(model: str, prompts: list[str], seeds: list[int], sampler: str = "confidence-threshold",
-                warmup: bool = True, overrides: dict | None = None) -> dict:
-    """mlx-vlm's own generation loop (``stream_diffusion_generate``) on the GGUF's weights,
-    dense float32, with its defaults except the ``diffusion_sampler`` (one isolated measurement).
-    ``overrides``: generation_config values for both loops (tests: fewer steps and tokens)."""
+def _mlx_vlm_answerer(model: str, sampler: str = "confidence-threshold",
+                     overrides: dict | None = None) -> tuple[str, str, Any]:
+    """(impl label, sampler label, answer(text, seed) -> run dict) for mlx-vlm's own loop
+    (``stream_diffusion_generate``) on the GGUF's weights, dense float32, with its defaults
+    except the ``diffusion_sampler``. ``overrides``: generation_config values for both loops."""
     import mlx.core as mx
     from mlx_vlm.generate.diffusion import stream_diffusion_generate
 
@@ -195,7 +202,8 @@ def e2e_mlx_vlm(model: str, prompts: list[str], seeds: list[int], sampler: str =
     eos = tuple(vlm.config.generation_config["eos_token_id"])
     max_tokens = vlm.config.generation_config["max_new_tokens"]
 
-    def one(ids: list[int], seed: int) -> dict:
+    def answer(text: str, seed: int) -> dict:
+        ids = _prompt_ids(tok, text)
         mx.random.seed(seed)  # what its CLI and server do with a seed
         proc = _Processor(eos)
         t0 = time.perf_counter()
@@ -212,20 +220,98 @@ def e2e_mlx_vlm(model: str, prompts: list[str], seeds: list[int], sampler: str =
                 tokens.append(int(r.token))
         wall = time.perf_counter() - t0
         prefill = last.prompt_tokens / last.prompt_tps
-        return {"prompt_tokens": len(ids), "answer_ids": tokens, "answer": tok.decode(tokens), "wall_s": wall,
-                "prefill_s": prefill, "first_block_s": first if first is not None else wall,
-                "steps_per_block": block_steps}
+        log(f"mlx-vlm {sampler}: {text[:30]!r}: {len(tokens)} tokens, steps {block_steps}, {wall:.1f} s")
+        return {"prompt": text, "seed": seed, "prompt_tokens": len(ids), "answer_ids": tokens,
+                "answer": tok.decode(tokens), "wall_s": wall, "prefill_s": prefill,
+                "first_block_s": first if first is not None else wall, "steps_per_block": block_steps}
 
-    if warmup:
-        one(_prompt_ids(tok, WARMUP_PROMPT), 0)
-    runs = []
-    for text, seed in zip(prompts, seeds):
-        r = one(_prompt_ids(tok, text), seed)
-        runs.append({"prompt": text, "seed": seed, **r})
-        log(f"mlx-vlm {sampler}: {text[:30]!r}: {len(r['answer_ids'])} tokens, steps {r['steps_per_block']}, "
-            f"{r['wall_s']:.1f} s")
     label = f"confidence threshold {MLX_VLM_THRESHOLD}" if sampler == "confidence-threshold" else "EntropyBound"
-    return _summary("mlx-vlm dense f32 (same weights)", label, runs)
+    return "mlx-vlm dense f32 (same weights)", label, answer
+
+
+def e2e_mlx_vlm(model: str, prompts: list[str], seeds: list[int], sampler: str = "confidence-threshold",
+                warmup: bool = True, overrides: dict | None = None) -> dict:
+    """mlx-vlm's own generation loop on each prompt (one isolated measurement); see
+    :func:`_mlx_vlm_answerer`."""
+    impl, label, answer = _mlx_vlm_answerer(model, sampler, overrides)
+    if warmup:
+        answer(WARMUP_PROMPT, 0)
+    return _summary(impl, label, [answer(text, seed) for text, seed in zip(prompts, seeds)])
+
+
+# A row's answerer in a long-lived process (``--e2e-interleave``): loads once, warms up, then
+# answers one prompt per request, so the rows can take turns prompt by prompt.
+ANSWERERS = {"mlx_dgemma.bench.e2e:e2e_ours": "_ours_answerer", "mlx_dgemma.bench.e2e:e2e_mlx_vlm": "_mlx_vlm_answerer"}
+
+
+def _worker(conn: Any, target: str, kw: dict) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops its workers
+    try:
+        impl, sampler, answer = globals()[ANSWERERS[target]](kw.pop("model"), **kw)
+        answer(WARMUP_PROMPT, 0)
+        conn.send(("ready", (impl, sampler)))
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                return
+            conn.send(("ok", answer(*msg)))
+    except Exception as e:  # reported in the table, the run goes on
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _run_interleaved(model: str, prompts: list[str], seeds: list[int], rows: tuple,
+                     overrides: dict | None) -> dict[str, dict]:
+    """Every row in its own long-lived process; prompt by prompt, each row answers in turn, so a
+    shared machine's changing load hits every row alike (``run_e2e(interleave=True)``)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    workers: dict[str, tuple] = {}
+    out: dict[str, dict] = {}
+    try:
+        for name, target, kw in rows:
+            kw = {**kw, "overrides": {**(overrides or {}), **kw.get("overrides", {})}, "model": model}
+            kw.pop("warmup", None)
+            if target.endswith("e2e_mlx_vlm"):
+                kw = {k: v for k, v in kw.items() if k in ("model", "sampler", "overrides")}
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(child, target, kw))
+            proc.start()
+            child.close()
+            workers[name] = (proc, parent)
+        labels, runs = {}, {name: [] for name in workers}
+        for name, (proc, conn) in workers.items():
+            status, res = conn.recv()
+            if status == "ready":
+                labels[name] = res
+            else:
+                out[name] = {"impl": name, "skipped": res}
+        for text, seed in zip(prompts, seeds):
+            for name in labels:
+                if name in out:
+                    continue
+                conn = workers[name][1]
+                conn.send((text, seed))
+                status, res = conn.recv()
+                if status == "ok":
+                    runs[name].append(res)
+                else:
+                    out[name] = {"impl": name, "skipped": res}
+        for name, (impl, sampler) in labels.items():
+            out.setdefault(name, _summary(impl, sampler, runs[name]))
+    finally:
+        for proc, conn in workers.values():
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return {name: out[name] for name, _, _ in rows if name in out}
 
 
 # (name, target, kwargs beyond model/prompts/seeds): ours and the peer each with its default
@@ -239,13 +325,19 @@ ROWS = (
 
 
 def run_e2e(models: list[str], prompts: list[str], seeds: list[int], rows: tuple = ROWS,
-            timeout: float | None = None, overrides: dict | None = None) -> dict:
+            timeout: float | None = None, overrides: dict | None = None, interleave: bool = False) -> dict:
     """Every row on every model, each isolated; JSON-ready. ``overrides``: generation_config
-    values for every row (a row's own, such as ``accept_probability``, win)."""
-    result: dict[str, Any] = {"machine": machine(), "prompts": prompts, "seeds": seeds, "models": {}}
+    values for every row (a row's own, such as ``accept_probability``, win). ``interleave``:
+    the rows take turns prompt by prompt (each in its own long-lived process) instead of one
+    row after the other, for a machine whose load changes during the run."""
+    result: dict[str, Any] = {"machine": machine(), "prompts": prompts, "seeds": seeds, "models": {},
+                              "interleaved": interleave}
     for model in models:
         entry: dict[str, Any] = {}
-        for name, target, kw in rows:
+        if interleave:
+            log(f"e2e {Path(model).name}: {len(rows)} rows, interleaved prompt by prompt")
+            entry.update(_run_interleaved(model, prompts, seeds, rows, overrides))
+        for name, target, kw in rows if not interleave else ():
             log(f"e2e {Path(model).name}: {name}")
             kw = {**kw, "overrides": {**(overrides or {}), **kw.get("overrides", {})}}
             entry[name] = isolated(target, timeout=timeout, model=model, prompts=prompts, seeds=seeds, **kw)
@@ -301,7 +393,8 @@ def main(args: argparse.Namespace) -> int:
     if not 1 <= args.e2e_prompts <= len(PROMPTS):
         raise ParameterError(f"--e2e-prompts {args.e2e_prompts}: must be in [1, {len(PROMPTS)}]")
     prompts = list(PROMPTS[: args.e2e_prompts])
-    result = run_e2e(models, prompts, list(range(len(prompts))), timeout=args.child_timeout)
+    result = run_e2e(models, prompts, list(range(len(prompts))), timeout=args.child_timeout,
+                     interleave=getattr(args, "e2e_interleave", False))
     print(e2e_table(result))
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.json}", file=sys.stderr)

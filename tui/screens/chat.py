@@ -14,7 +14,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input
 
 from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
-from mlx_dgemma.trace import Trace, trace_header
+from mlx_dgemma.trace import Trace, settings_in_effect, trace_header
 
 from ..engine import Backend
 from ..messages import EngineError, EngineEvent, EngineStatus
@@ -227,11 +227,10 @@ class ChatScreen(Screen):
 
     def _trace_header(self, prompt: str) -> dict:
         """The exported trace's first record: the message, the settings in effect, the model."""
-        from dataclasses import asdict
-
         from mlx_dgemma.sampler import SamplerParams
 
-        settings = asdict(SamplerParams.from_config(self.backend.generation_config, **self.params))
+        params = SamplerParams.from_config(self.backend.generation_config, **self.params)
+        settings = settings_in_effect(params, self.backend.sc_top_k(params))
         return trace_header(prompt, settings, self.backend.label, self.backend.precision_label,
                             seed=settings.pop("seed"), thinking=self.think, system=self.system,
                             turn=self.turn)
