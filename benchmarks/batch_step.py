@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -71,7 +72,8 @@ class StackedLayer(LayerCache):
         out.pos = mx.stack([pad(c.pos, -1) for c in layers])  # -1: an empty (never attended) slot
         return out
 
-    def attend(self, k, v, offset, encode):
+    def attend(self, k: mx.array, v: mx.array, offset: mx.array,
+               encode: bool) -> tuple[mx.array, mx.array, mx.array]:
         if encode:
             raise NotImplementedError("a stacked cache is only read by the denoiser")
         n = k.shape[2]
@@ -80,7 +82,7 @@ class StackedLayer(LayerCache):
         visible = mx.concatenate([self.pos >= 0, mx.ones((k.shape[0], n), dtype=mx.bool_)], axis=1)
         return keys, values, visible[:, None, None, :]  # [B, 1, 1, S + n]: each sequence its own mask
 
-    def with_state(self, arrays):
+    def with_state(self, arrays: list[mx.array]) -> "StackedLayer":
         view = StackedLayer(self.sliding, self.window, self.bucket)
         view.keys, view.values, view.pos = arrays
         return view
@@ -94,14 +96,14 @@ class StackedCache(KVCache):
         self.offset = mx.array([int(c.offset) for c in caches], dtype=mx.int32)
 
 
-def load_model(name: str, workdir: Path):
+def load_model(name: str, workdir: Path) -> tuple:
     if name == "demo":
         return load_demo()
     _, model_dir = build(name, workdir, None)
     return load(model_dir)
 
 
-def work(a, canvas: int, cache_len: int, sc_top_k: int | None) -> float:
+def work(a: Any, canvas: int, cache_len: int, sc_top_k: int | None) -> float:
     """FLOPs of one self-conditioned step of one sequence (its cache's filled slots, not the
     padding): the bench's FLOP model, whose full-vocabulary self-conditioning product only
     counts where the precision runs it (``sc_top_k`` None)."""
@@ -113,7 +115,7 @@ def uptime() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def measure(name: str, model, batches: list[int], reps: int, log) -> list[dict]:
+def measure(name: str, model: Any, batches: list[int], reps: int, log: Callable[[str], None]) -> list[dict]:
     a = model.args
     C, V = a.canvas_length, a.vocab_size
     params = SamplerParams.from_config(model.generation_config, max_denoising_steps=8)
@@ -235,7 +237,8 @@ def main() -> int:
     for r in result["rows"]:
         print(f"| {r['model']} (canvas {r['canvas']}) | {r['B']} | {r['serial_s']:.3f} | {r['batched_s']:.3f} | "
               f"{r['speedup']:.2f}x | {r['serial_per_seq_s']:.3f} / {r['batched_per_seq_s']:.3f} | "
-              f"{r['serial_gflops']:.2f} / {r['batched_gflops']:.2f} / {r['dense_matmul_gflops']:.2f} | {r['stack_s']:.3f} | {r['logits_max_rel_err']:.1e} | {r['load_before']} -> {r['load_after']} |")
+              f"{r['serial_gflops']:.2f} / {r['batched_gflops']:.2f} / {r['dense_matmul_gflops']:.2f} | "
+              f"{r['stack_s']:.3f} | {r['logits_max_rel_err']:.1e} | {r['load_before']} -> {r['load_after']} |")
     print(json.dumps(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
