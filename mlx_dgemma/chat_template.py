@@ -353,8 +353,10 @@ def strip_specials(text: str) -> str:
     return _SPECIAL.sub("", text)
 
 
-def parse_answer(text: str) -> ParsedAnswer:
-    """Split ``<|channel>thought ... <channel|>`` from the answer (text decoded with specials)."""
+def parse_answer(text: str, strip: bool = True) -> ParsedAnswer:
+    """Split ``<|channel>thought ... <channel|>`` from the answer (text decoded with specials).
+    ``strip=False`` keeps the answer's surrounding whitespace (a raw completion continues its
+    prompt: its leading space is part of the text)."""
     thinking, rest, is_open = "", text, False
     start = text.find(THOUGHT_OPEN)
     if start != -1:
@@ -369,4 +371,5 @@ def parse_answer(text: str) -> ParsedAnswer:
         cut = rest.find(stop)
         if cut != -1:
             rest = rest[:cut]
-    return ParsedAnswer(thinking, strip_specials(rest).strip(), is_open)
+    rest = strip_specials(rest)
+    return ParsedAnswer(thinking, rest.strip() if strip else rest, is_open)

@@ -203,7 +203,8 @@ def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[
     estimate (KV cache and working memory) against the memory available: ParameterError or
     MemoryBudgetError. ``cancel`` is polled between prefill chunks and denoising steps.
 
-    ``prompt`` is a user message (rendered with the chat template unless ``chat=False``),
+    ``prompt`` is a user message (rendered with the chat template unless ``chat=False``: then
+    the text is continued and the answer keeps its whitespace, e.g. a leading space),
     a list of messages, or token ids. ``params`` override generation_config values
     (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
     confidence_threshold, max_new_tokens, seed, sc_top_k, accept_probability). Without ``generation_config`` the
@@ -227,16 +228,19 @@ def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[
         ids = [int(t) for t in prompt]
     if not ids:
         raise ParameterError("prompt: no tokens; give some text")
+    # a raw text prompt is continued: its answer keeps the whitespace a chat answer's loses
     yield from _run(runtime, runtime.model.make_cache(), ids, p, dtype, cancel, history_len=0,
-                    chunk_size=prefill_chunk_size, logprobs=logprobs)
+                    chunk_size=prefill_chunk_size, logprobs=logprobs, strip=not (isinstance(prompt, str) and not chat))
 
 
 def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
          dtype: mx.Dtype | None, cancel: Callable[[], bool] | None, history_len: int,
          chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
-         checkpoint: tuple[int, Callable[[], None]] | None = None, logprobs: int | None = None) -> Iterator[Event]:
+         checkpoint: tuple[int, Callable[[], None]] | None = None, logprobs: int | None = None,
+         strip: bool = True) -> Iterator[Event]:
     """Prefill ``ids`` into ``cache`` (in chunks) and generate. ``checkpoint`` (k, call): call
-    ``call()`` once the first k of ``ids`` are encoded (a chat session returns there later)."""
+    ``call()`` once the first k of ``ids`` are encoded (a chat session returns there later).
+    ``strip``: strip the answer's surrounding whitespace (a chat answer; not a raw continuation)."""
     model, tokenizer = runtime.model, runtime.tokenizer
     C = model.args.canvas_length
     n_blocks = math.ceil(p.max_new_tokens / C)
@@ -317,7 +321,7 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
         steps_per_block.append(result.steps)
         out += block
         raw = tokenizer.decode(out)
-        parsed = parse_answer(raw)
+        parsed = parse_answer(raw, strip=strip)
         lp: dict[str, np.ndarray] = {}
         if result.logprobs is not None:  # the generated positions only: up to the EOS, not its padding
             n = next((i + 1 for i, t in enumerate(block) if t in p.eos_token_id), len(block)) if finished \
@@ -332,7 +336,7 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
             reason = "eos"
             break
     valid = sum(1 for t in out if t != p.pad_token_id)
-    parsed: ParsedAnswer = parse_answer(tokenizer.decode(out))
+    parsed: ParsedAnswer = parse_answer(tokenizer.decode(out), strip=strip)
     yield DoneEvent(text=parsed.answer, thinking=parsed.thinking, tokens=tuple(out), finish_reason=reason,
                     prompt_tokens=len(ids), prefill_seconds=prefill_s,
                     prefill_tokens_per_second=len(ids) / prefill_s if prefill_s > 0 else 0.0, steps=steps,

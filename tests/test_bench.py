@@ -268,3 +268,17 @@ def test_build_leaves_no_partial_gguf(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         build("tiny", tmp_path / "w", 16)
     assert list((tmp_path / "w").iterdir()) == []
+
+
+def test_the_exact_vs_compact_study_measures_the_compact_directory(tmp_path):
+    """The compact directory holds fast weights, which cannot be loaded as exact: the study
+    must load it in its own precision, not skip its row ("compact 1.8 MB skipped")."""
+    from mlx_dgemma.bench.studies import compact_study
+    from mlx_dgemma.convert.converter import convert
+    from mlx_dgemma.demo import trained_demo_path
+
+    exact_dir = tmp_path / "demo"
+    convert(trained_demo_path(), exact_dir)
+    formats = compact_study(trained_demo_path(), exact_dir, prompt_len=8, warmup=0, steps=1)
+    for fmt in ("exact", "compact"):
+        assert formats[fmt]["seconds_per_step"] is not None and formats[fmt]["seconds_per_step"] > 0, formats[fmt]

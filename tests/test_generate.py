@@ -346,3 +346,23 @@ def test_logprobs_are_the_committing_steps_from_recomputed_logits(monkeypatch):
 def test_logprobs_out_of_range_is_a_parameter_error(loaded, bad):
     with pytest.raises(ParameterError, match="logprobs"):
         list(stream_generate(loaded, "Hi", logprobs=bad, max_new_tokens=8))
+
+
+def test_a_raw_prompt_keeps_the_continuation_s_whitespace():
+    """``chat=False`` continues the text: the answer is what the tokens spell up to the EOS,
+    leading space included ("And God said" + " Jesus..."), not stripped like a chat answer."""
+    from mlx_dgemma import load_demo
+    from mlx_dgemma.chat_template import strip_specials
+
+    rt = load_demo()
+    events = list(stream_generate(rt, "And God said", chat=False, seed=0, max_denoising_steps=4, max_new_tokens=64))
+    done = events[-1]
+    assert isinstance(done, DoneEvent)
+    eos = SamplerParams.from_config(rt.generation_config).eos_token_id
+    ids = list(done.tokens)
+    ids = ids[: next((i for i, t in enumerate(ids) if t in eos), len(ids))]
+    spelled = strip_specials(rt.tokenizer.decode(ids))
+    assert spelled[:1].isspace()  # else this test checks nothing
+    assert done.text == spelled
+    blocks = [e for e in events if isinstance(e, BlockEvent)]
+    assert blocks[-1].text == done.text

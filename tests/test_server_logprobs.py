@@ -168,6 +168,22 @@ def test_text_completions_give_the_legacy_columns(served):
     assert "timings" in r and "timings" in chunks[-1]
 
 
+def test_a_text_completion_keeps_its_whitespace_so_tokens_and_offsets_match_the_text(served):
+    """A completion continues the prompt: its text is what the tokens spell, leading space
+    included (the demo continues "And God said" with " ..."), so ``text_offset`` indexes it."""
+    _, client = served
+    r = client.post(X, json={"prompt": "And God said", "max_tokens": 4, "logprobs": 1, **FAST}).json()
+    choice = r["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["finish_reason"] == "length" and len(lp["tokens"]) == 4
+    assert lp["tokens"][0].startswith(" ")  # else this test checks nothing
+    assert choice["text"] == "".join(lp["tokens"])
+    assert [choice["text"][o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"])] == lp["tokens"]
+    streamed = "".join(c["choices"][0]["text"] for c in stream(client, X, {"prompt": "And God said", "max_tokens": 4,
+                                                                             **FAST}) if c.get("choices"))
+    assert streamed == choice["text"]
+
+
 @pytest.mark.parametrize("path, patch, param", [
     (C, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     (C, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -886,3 +886,31 @@ async def test_ctrl_q_during_the_load_stops_it_between_pieces():
         await wait_for(pilot, lambda: not app.is_running, timeout=5)
     assert not app.engine_running() and backend.pieces < 500 and not backend.loaded
     assert app.return_code == 0 and app.load_error is None  # a stop, not a failed load
+
+
+async def test_ctrl_q_during_the_load_does_not_speak_of_a_step():
+    """While the model loads there is no step to finish: the status line says "stopping…"."""
+    import threading
+
+    class BlockedLoad(ScriptedBackend):
+        def __init__(self):
+            super().__init__(steps=2, blocks=1)
+            self.release = threading.Event()
+
+        def load(self, progress):
+            progress("loading 1/2 blk.0.weight")
+            self.release.wait(30)
+
+    backend = BlockedLoad()
+    app = DGemmaApp(backend)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: "loading" in status_row(app))
+            quitting = app.run_worker(app.action_quit())
+            await wait_for(pilot, lambda: app.stopping)
+            await pilot.pause(0.1)
+            assert status_row(app).strip() == "stopping…", status_row(app)
+            backend.release.set()
+            await quitting.wait()
+    finally:
+        backend.release.set()

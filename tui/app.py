@@ -126,7 +126,9 @@ class DGemmaApp(App):
             return
         for screen in self.screen_stack:
             if isinstance(screen, ChatScreen):
-                screen.query_one(StatusLine).update("stopping… (finishing the current step)")
+                # an answer stops at its next step; a load between tensors, nothing else has a step
+                screen.query_one(StatusLine).update("stopping… (finishing the current step)" if screen.busy
+                                                    else "stopping…")
 
     def on_unmount(self) -> None:
         self.stop_engine()

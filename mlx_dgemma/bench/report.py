@@ -70,7 +70,8 @@ def table(result: dict) -> str:
                 for r in entry["sc_top_k"]))
         if "formats" in entry:
             f = entry["formats"]
-            step = lambda x: "skipped" if x is None else f"{x:.3f} s/step"  # noqa: E731
-            lines.append(f"formats: exact {f['exact']['bytes'] / 1e6:.1f} MB {step(f['exact']['seconds_per_step'])}; "
-                         f"compact {f['compact']['bytes'] / 1e6:.1f} MB {step(f['compact']['seconds_per_step'])}")
+            step = lambda r: (f"skipped ({r.get('skipped', 'no figure')})" if r["seconds_per_step"] is None  # noqa: E731
+                              else f"{r['seconds_per_step']:.3f} s/step")
+            lines.append(f"formats: exact {f['exact']['bytes'] / 1e6:.1f} MB {step(f['exact'])}; "
+                         f"compact {f['compact']['bytes'] / 1e6:.1f} MB {step(f['compact'])}")
     return "\n".join(lines)

@@ -207,12 +207,13 @@ def compact_study(gguf: Path, model_dir: Path, prompt_len: int, warmup: int, ste
     if not compact_dir.is_dir():
         convert(gguf, compact_dir, compact=True)
     size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
+    # each in the precision it was written in: a compact (fast) directory cannot load as exact
     exact = isolated("measure_ours", timeout=timeout, model_dir=str(model_dir), prompt_len=prompt_len,
-                     warmup=warmup, steps=steps, label="exact")
+                     warmup=warmup, steps=steps, label="exact", precision="exact")
     compact = isolated("measure_ours", timeout=timeout, model_dir=str(compact_dir), prompt_len=prompt_len,
-                       warmup=warmup, steps=steps, label="compact")
+                       warmup=warmup, steps=steps, label="compact", precision="fast")
     return {fmt: {"bytes": size(d), "seconds_per_step": r.get("seconds_per_step"),
-                  "peak_rss_bytes": r.get("peak_rss_bytes")}
+                  "peak_rss_bytes": r.get("peak_rss_bytes"), **({"skipped": r["skipped"]} if "skipped" in r else {})}
             for fmt, d, r in (("exact", model_dir, exact), ("compact", compact_dir, compact))}
 
 

@@ -546,7 +546,8 @@ class Engine:
         from mlx_dgemma.sampler import SamplerParams
 
         eos = SamplerParams.from_config(self.generation_config, **job.params).eos_token_id  # as the core reads it
-        answer = Answer(self.tokenizer, eos, job.max_tokens, job.stop, self.markers, tools=bool(job.tools))
+        answer = Answer(self.tokenizer, eos, job.max_tokens, job.stop, self.markers, tools=bool(job.tools),
+                        raw=job.kind != "chat")
         n_blocks = self.blocks_tokens(self.max_new_tokens(job.params)) // self.canvas
         result: Result | None = None
         prefill = 0

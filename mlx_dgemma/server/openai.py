@@ -37,6 +37,7 @@ class Answer:
     stop: tuple[str, ...] = ()
     markers: tuple[int | None, int | None] | None = None  # thought channel ids (marker_ids), found if None
     tools: bool = False  # parse the template's tool calls out of the answer
+    raw: bool = False  # a text completion: the text continues the prompt, whitespace kept
     tokens: list[int] = field(default_factory=list)
     content: str = ""
     reasoning: str = ""
@@ -70,6 +71,9 @@ class Answer:
         gen = gen[: eos_at + 1] if eos_at is not None else gen
         if self.tools:
             text, thinking = self._split_calls(gen)
+        elif self.raw:  # the core's text is stripped (a chat answer's); a continuation's is not
+            parsed = parse_answer(self.tokenizer.decode(gen), strip=False)
+            text, thinking = parsed.answer, parsed.thinking
         hits = [i for i in (text.find(s) for s in self.stop) if i != -1]
         self.stop_hit = bool(hits)
         if hits:
@@ -103,7 +107,7 @@ class Answer:
         return text, parsed.thinking
 
     def _has_stop(self, ids: list[int]) -> bool:
-        text = parse_answer(self.tokenizer.decode(ids)).answer
+        text = parse_answer(self.tokenizer.decode(ids), strip=not self.raw).answer
         return any(s in text for s in self.stop)
 
     def _stop_tokens(self, gen: list[int]) -> int:
