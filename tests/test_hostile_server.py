@@ -1,0 +1,66 @@
+"""Hostile requests to the server found by attacking it (each a 500, a traceback or a wrong
+field before its fix): every one is a 4xx naming the field, and the server answers the next
+request as before."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from fastapi.testclient import TestClient
+
+    from mlx_dgemma.server import Engine, create_app
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLX_DGEMMA_CACHE", str(tmp_path_factory.mktemp("cache")))
+    engine = Engine(demo=True)
+    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+        yield engine, client
+    mp.undo()
+
+
+def _nested(depth: int) -> dict:
+    v: dict = {"type": "string"}
+    for _ in range(depth):
+        v = {"type": "object", "properties": {"a": v}}
+    return v
+
+
+def _call_messages(arguments: str) -> list[dict]:
+    return [{"role": "user", "content": "?"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "1"}]
+
+
+ARGS = "messages[1].tool_calls[0].function.arguments"
+
+
+@pytest.mark.parametrize("body, param", [
+    # json's decoder recursed out of its stack: a 500 and a traceback in the log
+    ({"messages": _call_messages("[" * 100_000 + "]" * 100_000)}, ARGS),
+    ({"messages": _call_messages(json.dumps({"a": _nested(300)}))}, ARGS),
+    # the chat template recursed out of its stack: a 400 blaming "messages" and the template
+    ({"messages": [{"role": "user", "content": "?"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(100)}}]},
+     "tools[0].function.parameters"),
+])
+def test_deeply_nested_tool_json_is_400_naming_the_field(served, caplog, body, param):
+    _, client = served
+    r = client.post("/v1/chat/completions", json={**body, "max_tokens": 4, "max_denoising_steps": 1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(param + ":") and "levels deep" in err["message"]
+    assert "Traceback" not in caplog.text
+
+
+def test_tool_json_of_ordinary_depth_is_served(served):
+    _, client = served
+    body = {"messages": _call_messages(json.dumps({"a": _nested(10)})), "max_tokens": 4, "max_denoising_steps": 1,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(20)}}], "seed": 0}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
