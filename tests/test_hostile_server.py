@@ -58,6 +58,17 @@ def test_deeply_nested_tool_json_is_400_naming_the_field(served, caplog, body, p
     assert "Traceback" not in caplog.text
 
 
+def test_tool_call_arguments_with_a_number_python_cannot_parse_are_400(served, caplog):
+    # json.loads raises a plain ValueError (not a JSONDecodeError) past 4300 digits: was a 500
+    _, client = served
+    body = {"messages": _call_messages('{"a": 1' + "0" * 5000 + "}"), "max_tokens": 4, "max_denoising_steps": 1}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == ARGS and err["message"].startswith(ARGS + ": not valid JSON")
+    assert "Traceback" not in caplog.text
+
+
 def test_tool_json_of_ordinary_depth_is_served(served):
     _, client = served
     body = {"messages": _call_messages(json.dumps({"a": _nested(10)})), "max_tokens": 4, "max_denoising_steps": 1,

@@ -114,7 +114,7 @@ def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
                 try:
                     args = json.loads(c.function.arguments) if c.function.arguments.strip() else {}
                     too_deep = json_depth(args) > MAX_JSON_DEPTH
-                except json.JSONDecodeError as e:
+                except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python parses
                     raise APIError(400, f"{where}: not valid JSON ({e}); send the arguments as a JSON object",
                                    param=where) from None
                 except RecursionError:  # json's decoder recurses: a thousand nested brackets end it
