@@ -75,3 +75,34 @@ def test_tool_json_of_ordinary_depth_is_served(served):
             "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(20)}}], "seed": 0}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
+
+
+def _flags(**kw):
+    import argparse
+
+    base = dict(queue_size=1, max_body_mb=1.0, max_request_steps=1, max_request_seconds=None, max_connections=1,
+                header_timeout=1.0, api_key=None, cors=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("flags, named", [
+    # curl sends "Bearer é" as UTF-8, the server reads headers as Latin-1: this key never matched (401)
+    ({"api_key": "é"}, "--api-key"),
+    ({"api_key": " key"}, "--api-key"),  # HTTP trims the header's ends: never matched
+    # a browser's Origin has no path: the origin given itself was refused ("Disallowed CORS origin")
+    ({"cors": ["http://app.example/"]}, "--cors http://app.example/"),
+    ({"cors": ["https://app.example/chat?x"]}, "--cors https://app.example/chat?x"),
+])
+def test_flags_that_could_never_match_a_request_are_refused(flags, named):
+    from mlx_dgemma.errors import ParameterError
+    from mlx_dgemma.server.cli import check_args
+
+    with pytest.raises(ParameterError) as e:  # before any model loads: a one-line error, exit 2
+        check_args(_flags(**flags))
+    assert str(e.value).startswith(named) and "\n" not in str(e.value)
+
+
+def test_a_bare_origin_and_an_ascii_key_pass_the_checks():
+    from mlx_dgemma.server.cli import check_args
+
+    check_args(_flags(api_key="s3cret key", cors=["http://app.example", "https://[::1]:8443", "*"]))
