@@ -106,3 +106,20 @@ def test_a_bare_origin_and_an_ascii_key_pass_the_checks():
     from mlx_dgemma.server.cli import check_args
 
     check_args(_flags(api_key="s3cret key", cors=["http://app.example", "https://[::1]:8443", "*"]))
+
+
+def test_a_request_dropped_before_it_ran_counts_as_cancelled():
+    # a client that disconnects while its request waits: the worker skips it; /metrics'
+    # requests_cancelled_total ("requests stopped before their answer") did not count it
+    import asyncio
+
+    from mlx_dgemma.server.engine import Engine, Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        engine = Engine(demo=True)  # not started: skipping needs no model
+        engine._skip(Job("chat", [], {}, None, (), False, False, loop))
+        counts = {name: value for name, _, value, _ in engine.metrics()}
+        assert counts["requests_cancelled_total"] == 1 and counts["requests_served_total"] == 0
+    finally:
+        loop.close()

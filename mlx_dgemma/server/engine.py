@@ -467,7 +467,8 @@ class Engine:
 
     # generation (worker thread) ------------------------------------------
     def _skip(self, job: Job) -> None:
-        """The client left while its request waited: it never runs."""
+        """The client left while its request waited: it never runs (a cancelled request all the same)."""
+        self.totals["cancelled"] += 1
         job.stats.update(finish="cancelled", steps=0)
         job.emit(*(("error", self._shutdown_error()) if self.stopping else ("done", None)))
         job.release()
