@@ -144,7 +144,9 @@ def check_gguf_metadata(md: dict[str, Any], kinds: dict[str, tuple[str, str | No
         for key, item in (("tokenizer.ggml.scores", "float32"), ("tokenizer.ggml.token_type", "int32")):
             k = kinds.get(key)
             if k is not None and (k[0] != "array" or k[2] != vocab or k[1] not in (item, "uint32", "int32", "float32")):
-                raise ModelFilesError(f"{source}: {key}: expected an array of {vocab} numbers (one per token)")
+                got = f"{k[2]} {k[1]}" if k[0] == "array" else f"a {k[0]}"
+                raise ModelFilesError(f"{source}: {key}: expected an array of {vocab} numbers (one per token; "
+                                      f"float32, int32 or uint32), got {got}")
         k = kinds.get("tokenizer.ggml.merges")
         if k is not None and (k[0] != "array" or k[1] != "string"):
             raise ModelFilesError(f"{source}: tokenizer.ggml.merges: expected an array of strings 'a b'")

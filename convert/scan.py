@@ -190,6 +190,11 @@ def _scan(c: _Cursor, size: int, expect_arch: str | None) -> GGUFScan:
             scan.kinds[key] = ("array", iname, count)
         else:
             c.fail(f"metadata {key!r} has unknown value type {vtype}")
+    kind = scan.kinds.get("general.alignment")
+    if kind is not None and kind != ("uint32", None, 1):  # gguf-py reads no other type of it
+        raise ConvertError(f"{source}: general.alignment is a{'n' if kind[0][0] in 'ai' else ''} {kind[0]}"
+                           f"{f' of {kind[1]}' if kind[1] else ''}, expected a uint32 (GGUF's type for it); "
+                           "the file was written by a tool that does not follow the GGUF format")
     align = scan.alignment
     if align < 1 or align > 1 << 20 or align & (align - 1):
         raise ConvertError(f"{source}: general.alignment = {align}: must be a power of two up to 1048576")

@@ -10,6 +10,7 @@ The CLI and the TUI use only ``stream_generate`` / ``ChatSession.stream``.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from .errors import MemoryBudgetError, NonFiniteError, ParameterError
 from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent
 from .memory import check_fits, estimate, peak_memory_bytes, reset_peak_memory
 from .model import DEFAULT_PREFILL_CHUNK
-from .runtime import Runtime
+from .runtime import Runtime, check_runtime
 from .sampler import SamplerParams, finalize_block, temperature, token_logprobs
 from .step import StepFunction
 
@@ -116,6 +117,7 @@ class ChatSession:
 
     def __init__(self, runtime: Runtime, generation_config: dict | None = None, dtype: mx.Dtype | None = None,
                  enable_thinking: bool = False, system: str | None = None):
+        check_runtime(runtime, "ChatSession")
         self.runtime = runtime
         self.model, self.tokenizer = runtime.model, runtime.tokenizer
         self.dtype = dtype or runtime.activation_dtype
@@ -141,7 +143,10 @@ class ChatSession:
                **overrides: Any) -> Iterator[Event]:
         """Answer ``user``; yields events (see :func:`stream_generate`, ``logprobs`` too). The
         consumer should iterate to the end: after the DoneEvent the cache is brought up to the answer."""
-        if not isinstance(user, str) or not user.strip():
+        if not isinstance(user, str):
+            raise ParameterError(f"prompt: expected the user's message as text, got {type(user).__name__}",
+                                 param="prompt")
+        if not user.strip():
             raise ParameterError("prompt: empty; give some text")
         params = self.params.with_overrides(**overrides)
         messages = self.messages + [{"role": "user", "content": user}]
@@ -190,7 +195,7 @@ class ChatSession:
 
 
 def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[int],
-                    *, generation_config: dict | None = None, dtype: mx.Dtype | None = None,
+                    *mlx_lm_args: Any, generation_config: dict | None = None, dtype: mx.Dtype | None = None,
                     enable_thinking: bool = False, chat: bool = True,
                     cancel: Callable[[], bool] | None = None,
                     prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK, logprobs: int | None = None,
@@ -214,6 +219,7 @@ def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[
     its tokens' log-probabilities and the k most likely tokens per position, under the
     distribution of the step that committed the block (its logits at temperature 1).
     """
+    check_runtime(runtime, "stream_generate", mlx_lm_args)  # (model, tokenizer, prompt) gets a one-line why
     tokenizer = runtime.tokenizer
     p = SamplerParams.from_config(_defaults(runtime, generation_config), **params)
     if isinstance(prompt, str):
@@ -222,15 +228,33 @@ def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[
         text = render_chat([{"role": "user", "content": prompt}], tokenizer.chat_template,
                            enable_thinking=enable_thinking) if chat else prompt
         ids = tokenizer.encode(text, add_bos=not chat)
-    elif prompt and isinstance(prompt[0], dict):
+    elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
         ids = tokenizer.encode(render_chat(list(prompt), tokenizer.chat_template, enable_thinking=enable_thinking))
     else:
-        ids = [int(t) for t in prompt]
+        ids = _token_ids(prompt)
     if not ids:
         raise ParameterError("prompt: no tokens; give some text")
     # a raw text prompt is continued: its answer keeps the whitespace a chat answer's loses
     yield from _run(runtime, runtime.model.make_cache(), ids, p, dtype, cancel, history_len=0,
                     chunk_size=prefill_chunk_size, logprobs=logprobs, strip=not (isinstance(prompt, str) and not chat))
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    """A prompt of token ids (a list, tuple or range of integers, or a NumPy/MLX integer array)
+    as a list; anything else (bytes, floats, None) is a ParameterError, not silently converted."""
+    if hasattr(prompt, "tolist") and hasattr(prompt, "dtype"):  # a NumPy or MLX array
+        prompt = prompt.tolist()
+    if isinstance(prompt, (list, tuple, range)):
+        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if bad is None:
+            return [int(t) for t in prompt]
+        got = f"a list holding {bad!r:.40}"
+    else:
+        got = f"{type(prompt).__name__} {prompt!r:.40}" if isinstance(prompt, (int, float, bytes)) else \
+            type(prompt).__name__
+    raise ParameterError(f"prompt: expected text, a list of messages or a list of token ids, got {got}"
+                         f"{'; decode bytes to str first' if isinstance(prompt, (bytes, bytearray)) else ''}",
+                         param="prompt")
 
 
 def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
@@ -345,8 +369,10 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
                     peak_memory_bytes=peak_memory_bytes(), precision=runtime.precision.label)
 
 
-def generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[int], **kwargs: Any) -> str:
+def generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[int], *mlx_lm_args: Any,
+             **kwargs: Any) -> str:
     """The answer text (thought channel removed). Same arguments as :func:`stream_generate`."""
+    check_runtime(runtime, "generate", mlx_lm_args)  # (model, tokenizer, prompt) gets a one-line why
     done = None
     for ev in stream_generate(runtime, prompt, **kwargs):
         if isinstance(ev, DoneEvent):

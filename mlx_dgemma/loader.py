@@ -5,6 +5,7 @@ converted in memory."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -14,7 +15,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .distributed import load_sharded_weights, world
-from .errors import ModelFilesError
+from .errors import ModelFilesError, ParameterError
 from .model import DiffusionGemma, ModelArgs
 from .paths import check_model_choice, check_model_path, resolve_model, user_path  # noqa: F401 (re-exported)
 from .precision import Precision, apply_precision, check_loadable, resolve_precision, stored_precision
@@ -164,6 +165,9 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
     The runtime carries the model's generation defaults (generation_config.json or the
     GGUF's) and the resolved precision.
     """
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        raise ParameterError(f"load(): path: expected a .gguf file or a directory written by `mlx-dgemma convert`, "
+                             f"got {repr(path) if isinstance(path, str) else type(path).__name__}", param="path")
     prec = resolve_precision(precision, dtype)
     # "~/models/dgemma" works as README writes it; a missing path, a FIFO, a device or a link
     # loop is named for what it is, before any work

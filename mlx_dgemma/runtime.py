@@ -9,6 +9,7 @@ network, the runtime is the network as loaded.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,11 @@ class Runtime:
     steps: dict[tuple, StepFunction] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        # duck-typed (tests pass scripted decoders): what generation calls on each
+        if not hasattr(self.model, "make_cache") or not hasattr(self.tokenizer, "decode"):
+            raise ParameterError(f"Runtime(model, tokenizer): got ({type(self.model).__name__}, "
+                                 f"{type(self.tokenizer).__name__}); expected (DiffusionGemma, Tokenizer), or use "
+                                 "mlx_dgemma.load(path), which builds the Runtime", param="runtime")
         if self.model.activation_dtype != self.precision.dtype:  # apply_precision sets both
             raise ParameterError(f"precision: {self.precision.label} does not match the model's activations "
                                  f"({self.model.activation_dtype}); pass the precision the model was put in")
@@ -81,3 +87,24 @@ class Runtime:
         if fn is None:
             fn = self.steps[key] = StepFunction(self.model, params, dtype, precision_sc_top_k=self.precision.sc_top_k)
         return fn
+
+
+def check_runtime(runtime: Any, where: str, extra: tuple = ()) -> None:
+    """Raise a ParameterError that says what to do when ``where`` (``generate()``, ...) was given
+    something else than a :class:`Runtime` first: mlx-lm's ``(model, tokenizer, prompt)``, the
+    model alone, or a path not loaded yet."""
+    how = f"runtime = mlx_dgemma.load(path) (or load_demo()), then {where}(runtime, ...)"
+    if isinstance(runtime, Runtime):
+        if extra:
+            raise ParameterError(f"{where}(): takes (runtime, prompt) and the rest by name, got {len(extra)} more "
+                                 f"positional argument(s); e.g. {where}(runtime, prompt, max_new_tokens=64)",
+                                 param="runtime")
+        return
+    if isinstance(runtime, DiffusionGemma) or isinstance(runtime, Tokenizer) or extra:
+        got = "a model and a tokenizer (mlx-lm's form)" if extra else f"a {type(runtime).__name__}"
+        raise ParameterError(f"{where}(): got {got}; it takes one Runtime, which holds the model, its tokenizer "
+                             f"and defaults: {how}", param="runtime")
+    if isinstance(runtime, (str, os.PathLike)):
+        raise ParameterError(f"{where}(): got the path {str(runtime)!r}, not a loaded model; {how}", param="runtime")
+    raise ParameterError(f"{where}(): expected a Runtime first, got {type(runtime).__name__}; {how}",
+                         param="runtime")

@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import time
+import urllib.parse
 from typing import Any
 
 from mlx_dgemma.errors import DGemmaError, ParameterError
@@ -66,11 +67,20 @@ def check_args(args: argparse.Namespace) -> None:
     if args.max_connections < 1:
         raise ParameterError(f"--max-connections {args.max_connections}: must be at least 1")
     finite("--header-timeout", args.header_timeout, 0.1, 3600)
-    if args.api_key is not None and (not args.api_key.strip() or not args.api_key.isprintable()):
-        raise ParameterError("--api-key: must be a non-empty printable string")
+    key = args.api_key
+    # HTTP trims a header's ends, and clients send non-ASCII header values as UTF-8 (curl), refuse
+    # them (httpx, the openai client) or as Latin-1 (requests): such a key would lock most clients out
+    if key is not None and (not key.strip() or not key.isprintable() or not key.isascii() or key != key.strip()):
+        raise ParameterError("--api-key: must be a non-empty printable ASCII string without spaces at its ends")
     for origin in args.cors or ():
-        if origin != "*" and not origin.startswith(("http://", "https://")):
-            raise ParameterError(f"--cors {origin}: must be '*' or an origin such as http://localhost:3000")
+        if origin == "*":
+            continue
+        # a browser's Origin header is scheme://host[:port], nothing after: "http://a.example/" never matches
+        u = urllib.parse.urlsplit(origin)
+        if u.scheme not in ("http", "https") or not u.netloc or u.path or u.query or u.fragment:
+            bare = f"{u.scheme}://{u.netloc}" if u.scheme in ("http", "https") and u.netloc else "http://localhost:3000"
+            raise ParameterError(f"--cors {origin}: must be '*' or an origin (scheme://host[:port], no path), "
+                                 f"such as {bare}")
 
 
 LOOPBACK = ("127.", "::1", "localhost")

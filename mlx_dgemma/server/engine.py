@@ -26,7 +26,7 @@ from mlx_dgemma.worker import ModelWorker, Ticket, WorkerBusy, WorkerStopped
 
 from .errors import APIError, ContextLengthError
 from .openai import Answer, Result, marker_ids
-from .schemas import SAMPLER_FIELDS, Message, Sampling
+from .schemas import MAX_JSON_DEPTH, SAMPLER_FIELDS, Message, Sampling, json_depth
 
 if TYPE_CHECKING:
     from mlx_dgemma.runtime import Runtime
@@ -113,9 +113,15 @@ def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
                 where = f"messages[{i}].tool_calls[{j}].function.arguments"
                 try:
                     args = json.loads(c.function.arguments) if c.function.arguments.strip() else {}
-                except json.JSONDecodeError as e:
+                    too_deep = json_depth(args) > MAX_JSON_DEPTH
+                except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python parses
                     raise APIError(400, f"{where}: not valid JSON ({e}); send the arguments as a JSON object",
                                    param=where) from None
+                except RecursionError:  # json's decoder recurses: a thousand nested brackets end it
+                    too_deep = True
+                if too_deep:
+                    raise APIError(400, f"{where}: nested more than {MAX_JSON_DEPTH} levels deep; flatten it",
+                                   param=where)
                 if not isinstance(args, dict):
                     raise APIError(400, f"{where}: expected a JSON object, got {type(args).__name__}", param=where)
                 calls[c.id] = c.function.name
@@ -461,7 +467,8 @@ class Engine:
 
     # generation (worker thread) ------------------------------------------
     def _skip(self, job: Job) -> None:
-        """The client left while its request waited: it never runs."""
+        """The client left while its request waited: it never runs (a cancelled request all the same)."""
+        self.totals["cancelled"] += 1
         job.stats.update(finish="cancelled", steps=0)
         job.emit(*(("error", self._shutdown_error()) if self.stopping else ("done", None)))
         job.release()

@@ -33,6 +33,29 @@ def check_unicode(text: str) -> str:
     return text
 
 
+# tool schemas and call arguments nested deeper than this are refused (400 naming the field): the
+# chat template renders them recursively, and a few hundred levels exhaust Python's stack
+MAX_JSON_DEPTH = 64
+
+
+def json_depth(value: Any) -> int:
+    """How deeply ``value`` (parsed JSON: dicts, lists, scalars) nests; iterative, so that any
+    depth is measured without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            todo += [(x, d + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return deepest
+
+
+def check_depth(value: Any) -> Any:
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep; flatten it")
+    return value
+
+
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -62,6 +85,11 @@ class FunctionDef(Body):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _depth(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_depth(v)
 
 
 class Tool(Body):
