@@ -338,11 +338,22 @@ def test_response_format_is_refused_not_ignored(srv):
 
 
 def test_metrics_in_prometheus_text(srv):
-    status, headers, text = srv.raw("GET", "/metrics")
-    assert status == 200 and headers["content-type"].startswith("text/plain")
-    values = dict(ln.split() for ln in text.decode().splitlines() if not ln.startswith("#"))
-    assert int(values["mlx_dgemma_requests_served_total"]) >= 1
-    assert int(values["mlx_dgemma_completion_tokens_total"]) >= 1 and "mlx_dgemma_requests_waiting" in values
+    def metrics() -> dict[str, str]:
+        status, headers, text = srv.raw("GET", "/metrics")
+        assert status == 200 and headers["content-type"].startswith("text/plain")
+        return dict(ln.split() for ln in text.decode().splitlines() if not ln.startswith("#"))
+
+    before = metrics()  # whatever the module's earlier tests served: this test counts its own answer
+    status, _, body = post(srv, msg())
+    assert status == 200, body
+    served = "mlx_dgemma_requests_served_total"
+    tokens = "mlx_dgemma_completion_tokens_total"
+    deadline = time.monotonic() + 10  # the worker counts a request just after its answer is sent
+    while int((after := metrics())[served]) == int(before[served]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert int(after[served]) == int(before[served]) + 1
+    assert int(after[tokens]) == int(before[tokens]) + body["usage"]["completion_tokens"]
+    assert "mlx_dgemma_requests_waiting" in after
 
 
 def test_non_loopback_host_without_a_key_warns():
