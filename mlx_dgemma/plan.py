@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .distributed import Split, param_slices
-from .errors import MemoryBudgetError, ParameterError
+from .errors import DGemmaError, MemoryBudgetError, ParameterError
 from .memory import device_budget, estimate, gb
 from .schema import ModelArgs
 from .tiers import TIER_HELP, TIERS, TensorInfo, weight_bytes
@@ -48,6 +48,7 @@ class PlanRow:
     load_peak_bytes: int  # while loading (the exact form first, for a tier made from an exact directory)
     loadable: bool  # the stored form can become this precision (never more exact than stored)
     fits: bool
+    split_refused: bool = False  # several ranks: quantized whole before the split, whose groups it would cut
 
     @property
     def needed_bytes(self) -> int:
@@ -81,9 +82,13 @@ class Plan:
             stored = self.stored if self.stored in AUTO_ORDER else "fast"
             choice = self.best_fit(AUTO_ORDER[AUTO_ORDER.index(stored):])
             if choice is None:
+                if self.row(stored).split_refused:
+                    raise ParameterError(self.split_refusal(stored))
                 raise MemoryBudgetError(self.refusal(stored))
             return choice
         row = self.row(requested)
+        if row.split_refused:
+            raise ParameterError(self.split_refusal(requested))
         if row.loadable and not row.fits:
             raise MemoryBudgetError(self.refusal(requested))
         return requested
@@ -105,6 +110,13 @@ class Plan:
                      "it leaves less memory to macOS and other apps, too high a value can freeze the Mac)")
         return line
 
+    def split_refusal(self, precision: str) -> str:
+        """One line: ``precision`` is quantized before the split, in groups the split would cut."""
+        where = "stored so in this directory" if self.stored != "gguf" else "made whole from the .gguf"
+        return (f"{self.model}: --precision {precision} is {where}, in quantization groups that do not split "
+                f"over {self.ranks} ranks; give the ranks a directory converted with --precision exact or fast "
+                f"(each rank re-quantizes its own slices to {precision})")
+
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "stored": self.stored, "ranks": self.ranks, "rank": self.rank,
                 "context_tokens": self.context_tokens,
@@ -118,7 +130,9 @@ class Plan:
                  f"KV cache for {self.context_tokens} tokens{share}",
                  f"  {'precision':<10}{'weights':>10}{'KV cache':>10}{'working':>10}{'needed':>10}  fits"]
         for r in self.rows:
-            fits = "yes" if r.loadable and r.fits else "no" if r.loadable else "-- (stored form is lossier)"
+            fits = ("yes" if r.loadable and r.fits else "no" if r.loadable
+                    else f"-- (its groups do not split over {self.ranks} ranks)" if r.split_refused
+                    else "-- (stored form is lossier)")
             lines.append(f"  {r.precision:<10}{gb(r.weights_bytes):>10}{gb(r.kv_bytes):>10}{gb(r.working_bytes):>10}"
                          f"{gb(r.needed_bytes):>10}  {fits}")
         best = self.best_fit()
@@ -184,6 +198,28 @@ def rank_args(args: ModelArgs, ranks: int, rank: int) -> tuple[ModelArgs, dict[s
     return local, splits
 
 
+def cuts_groups(inventory: list[TensorInfo], splits: dict[str, Split], form: str, num_layers: int) -> bool:
+    """Whether ``splits`` would cut a quantization group of a tensor re-quantized to ``form``
+    (``mlx_dgemma.tiers.target``) *before* the split: a .gguf's q4/q3 is made whole, and a q4/q3
+    directory is stored so (the published experts' 704-wide rows in groups of 64 do not halve).
+    The same rule as the load's (:func:`mlx_dgemma.distributed.param_slices`)."""
+    from types import SimpleNamespace
+
+    from .tiers import target
+
+    for t in inventory:
+        split = splits.get(t.module)
+        goal = target(form, t.module, t.ggml_type, num_layers, t.shape[-1]) if split is not None else None
+        if goal is None:
+            continue
+        try:
+            param_slices(SimpleNamespace(group_size=goal.group_size, bits=goal.bits), split,
+                         {"weight": t.shape, "scales": ()})
+        except ParameterError:
+            return True
+    return False
+
+
 def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: str, *,
               context_tokens: int = DEFAULT_CONTEXT, memory_limit: int | None = None,
               gpu: bool | None = None, ranks: int = 1, rank: int = 0) -> Plan:
@@ -199,7 +235,7 @@ def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: 
     else:
         available, budget = device_budget()
     layers = args.num_hidden_layers
-    full, shape = inventory, args
+    full, shape, splits = inventory, args, {}
     if ranks > 1:
         shape, splits = rank_args(args, ranks, rank)
         inventory = rank_inventory(inventory, splits)
@@ -214,13 +250,18 @@ def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: 
         w, itemsize = priced(inventory, p), 4 if p == "exact" else act
         est = estimate(shape, context_tokens, new_blocks=0, dtype=mx.float32 if itemsize == 4 else mx.bfloat16)
         loadable = TIERS.index(p) >= TIERS.index(from_form)
+        # several ranks: a form quantized before the split must split at whole groups (a
+        # directory's stored form; a .gguf's q4/q3, made whole). Re-quantized after it, it is.
+        before = from_form if stored != "gguf" else p if p in ("q4", "q3") else None
+        refused = ranks > 1 and loadable and before is not None and cuts_groups(full, splits, before, layers)
+        loadable = loadable and not refused
         if stored == "gguf":
             # converted whole in memory (every rank converts all of it, then keeps its slices)
             peak = priced(full, p)
         else:  # a tier made at load time from a directory holds that directory's form first
             peak = w if p == from_form else max(w, weight_bytes(inventory, from_form, layers))
         need = max(w + est.kv_bytes + est.working_bytes, peak)
-        rows.append(PlanRow(p, w, est.kv_bytes, est.working_bytes, peak, loadable, need <= available))
+        rows.append(PlanRow(p, w, est.kv_bytes, est.working_bytes, peak, loadable, need <= available, refused))
     return Plan(model, stored, context_tokens, available, budget, tuple(rows), ranks, rank)
 
 
@@ -239,6 +280,6 @@ def choose_across_ranks(plan: Plan, requested: str) -> str:
     order = AUTO_ORDER if requested == "auto" else (requested,)
     try:
         mine, error = order.index(plan.choose(requested)), None
-    except MemoryBudgetError as e:
+    except DGemmaError as e:  # its memory, or a split its stored groups refuse
         mine, error = 0, e
     return order[agree_max(mine, error)]

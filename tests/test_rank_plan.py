@@ -112,6 +112,29 @@ def test_published_model_per_rank_kv_is_half():
     assert two.row("fast").kv_bytes > one.row("fast").kv_bytes / 2
 
 
+def test_forms_quantized_before_the_split_are_refused_when_it_cuts_their_groups(capsys):
+    """q4 made whole (a .gguf's, or a q4 directory's stored form) is cut by the 2-rank split
+    (the published experts' 704-wide rows in groups of 64; the demo's 128-wide in 128): refused
+    in the plan with one line, never offered by auto. Re-quantized after the split (from an
+    exact or fast directory) it is loadable."""
+    args, inv = published()
+    for stored, refused in (("gguf", {"q4", "q3"}), ("q4", {"q4", "q3"}), ("exact", set()), ("fast", set())):
+        plan = make_plan("m", args, inv, stored, memory_limit=1 << 50, gpu=True, ranks=2, rank=0)
+        assert {r.precision for r in plan.rows if r.split_refused} == refused, stored
+        one = make_plan("m", args, inv, stored, memory_limit=1 << 50, gpu=True)
+        assert not any(r.split_refused for r in one.rows)
+    plan = make_plan("m", args, inv, "q4", memory_limit=1 << 50, gpu=True, ranks=2, rank=0)
+    from mlx_dgemma.errors import ParameterError
+
+    for requested in ("auto", "q4"):
+        with pytest.raises(ParameterError, match="do not split over 2 ranks; give the ranks a directory converted"):
+            plan.choose(requested)
+    gguf = str(demo_file("trained"))
+    assert main(["plan", gguf, "--ranks", "2"]) == 0
+    assert "-- (its groups do not split over 2 ranks)" in capsys.readouterr().out
+    assert plan_model(gguf, ranks=2, rank=0).choose("auto") == "fast"
+
+
 def test_plan_ranks_flag_prices_one_rank(capsys):
     gguf = demo_file("trained")
     assert main(["plan", str(gguf), "--ranks", "2", "--json"]) == 0
