@@ -134,8 +134,10 @@ def planned_precision(args: argparse.Namespace) -> str:
     if not getattr(args, "model", None) or getattr(args, "demo", False):
         return args.precision
     from .loader import plan_model
+    from .plan import choose_across_ranks
 
-    return plan_model(args.model, limit).choose(args.precision)
+    # under mlx.launch: this rank's share, and the same precision on every rank
+    return choose_across_ranks(plan_model(args.model, limit), args.precision)
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -495,7 +497,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from .errors import ParameterError
 
         raise ParameterError(f"--context {args.context}: must be a number of tokens in [1, 4194304]")
-    plan = plan_model(args.model, parse_size(args.memory_limit) if args.memory_limit else None, args.context)
+    limit = parse_size(args.memory_limit) if args.memory_limit else None
+    if args.ranks is None:  # this process's share under mlx.launch, else the whole model
+        plan = plan_model(args.model, limit, args.context)
+    else:
+        if not 1 <= args.ranks <= 64:
+            from .errors import ParameterError
+
+            raise ParameterError(f"--ranks {args.ranks}: must be a number of Macs (processes) in [1, 64]")
+        # the ranks' shares differ by a vocabulary row at most: show the largest
+        plan = max((plan_model(args.model, limit, args.context, ranks=args.ranks, rank=r) for r in range(args.ranks)),
+                   key=lambda p: p.row("exact").needed_bytes)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else "\n".join(plan.table()))
     return 0
 
@@ -632,6 +644,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("--memory-limit", metavar="SIZE", help="compare with SIZE (e.g. 14GB) instead of this machine")
     pl.add_argument("--context", type=int, default=None, help="tokens to reserve KV cache for (default 4096)")
+    pl.add_argument("--ranks", type=int, default=None, metavar="N",
+                    help="price one rank's share of the model split over N Macs (mlx.launch), before launching "
+                         "(default: the launched ranks, else 1)")
     pl.set_defaults(func=_cmd_plan)
 
     # the top-level options take no values: the first other word is the command

@@ -354,6 +354,26 @@ def agree_startup(error: DGemmaError | None = None, *, last: bool = False) -> No
         _startup["state"] = "ok"
 
 
+def agree_max(value: int, error: DGemmaError | None = None) -> int:
+    """The largest of the launched ranks' ``value``s, the same on every rank, once every rank
+    succeeded (:func:`agree`, as a start-up agreement while the start-up is on: a rank that
+    failed raises everywhere). In one process: ``value`` (or ``error`` raised).
+
+    The memory plan's use: each rank's own precision index, the least exact wins."""
+    group = world()
+    if group is None:
+        if error is not None:
+            raise error
+        return value
+    if _startup["state"] == "pending":
+        agree_startup(error)
+    else:
+        agree(error, group)
+    out = mx.distributed.all_max(mx.array([value], dtype=mx.int32), group=group, stream=mx.cpu)
+    mx.eval(out)
+    return int(out.item())
+
+
 def tell_startup_failure(error: DGemmaError) -> None:
     """This rank failed before the model was loaded everywhere (its checks, its load), outside
     an agreement point: tell the other ranks at their next one (they raise ``rank N: ...``).

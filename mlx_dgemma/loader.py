@@ -136,13 +136,19 @@ def model_inventory(path: str | Path) -> tuple[ModelArgs, list, str]:
                           "`mlx-dgemma convert`")
 
 
-def plan_model(path: str | Path, memory_limit: int | None = None, context_tokens: int | None = None):
-    """The memory plan (:class:`mlx_dgemma.plan.Plan`) of a model, before loading it."""
+def plan_model(path: str | Path, memory_limit: int | None = None, context_tokens: int | None = None,
+               ranks: int | None = None, rank: int | None = None):
+    """The memory plan (:class:`mlx_dgemma.plan.Plan`) of a model, before loading it: of the
+    whole model, or of rank ``rank``'s share over ``ranks`` (default: this process's launched
+    group, ``mlx.launch``; one process has no share)."""
     from .plan import DEFAULT_CONTEXT, make_plan
 
+    group = world() if ranks is None else None
+    ranks = (group.size() if group is not None else 1) if ranks is None else ranks
+    rank = (group.rank() if group is not None else 0) if rank is None else rank
     args, inventory, stored = model_inventory(path)
     return make_plan(str(path), args, inventory, stored, context_tokens=context_tokens or DEFAULT_CONTEXT,
-                     memory_limit=memory_limit)
+                     memory_limit=memory_limit, ranks=ranks, rank=rank)
 
 
 def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.Dtype | None = None,
@@ -173,7 +179,10 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
     # loop is named for what it is, before any work
     p = check_model_path(path, "model")
     requested = precision if isinstance(precision, str) else precision.name
-    chosen = plan_model(p, memory_limit).choose(requested or "auto")
+    from .plan import choose_across_ranks
+
+    # under mlx.launch: this rank's share, and one precision agreed by every rank
+    chosen = choose_across_ranks(plan_model(p, memory_limit), requested or "auto")
     if chosen != prec.name:
         prec = resolve_precision(chosen, dtype)
     if p.is_dir():
