@@ -167,6 +167,26 @@ async def test_settings_validate_and_apply():
         assert backend.prompts[0][1]["max_denoising_steps"] == 7
 
 
+async def test_settings_enter_in_a_field_saves():
+    backend = ScriptedBackend(steps=2, blocks=1)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        await pilot.press("ctrl+o")
+        assert isinstance(app.screen, SettingsScreen)
+        box = app.screen.query_one("#set-max_denoising_steps")
+        box.value = "0"  # refused: Enter shows the error and keeps the dialog
+        box.focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, SettingsScreen)
+        assert "max steps per block: 0 must be" in str(app.screen.query_one("#settings-error").render())
+        box.value = "7"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+        assert screen(app).params["max_denoising_steps"] == 7
+
+
 @pytest.mark.parametrize("field, value, expected", [
     ("t_max", "5000", "first-step temperature: 5000 must be a temperature in [0.001, 1000]"),
     ("t_max", "-1", "first-step temperature: -1 must be a temperature in [0.001, 1000]"),

@@ -73,6 +73,11 @@ class SettingsScreen(ModalScreen[Settings | None]):
     def _cancel(self) -> None:
         self.dismiss(None)
 
+    @on(Input.Submitted)
+    def _submitted(self) -> None:
+        """Enter in any field saves, as in any form (Tab still moves between fields)."""
+        self._save()
+
     @on(Button.Pressed, "#save")
     def _save(self) -> None:
         chosen, typed = {}, {}
