@@ -345,3 +345,21 @@ def test_every_tier_on_the_trained_kquant_demo(kquant_demo):
             assert m[f"{step}_top1_confident"] >= bound, (p, step, m, yard)
             assert m[f"{step}_top1"] >= 0.95, (p, step, m)
         assert 0 < m["step_max_rel_logit_error"], p  # it did change something (a K-quant file)
+
+
+def test_verify_of_a_lossy_directory_prints_one_summary_line(tmp_path, all_types_gguf, capsys):
+    """Hundreds of lossy tensors in a real model: one line with their count and the worst
+    errors (as the report measured them), not one line each before the verdict."""
+    from mlx_dgemma.cli import main
+
+    out = tmp_path / "q4"
+    assert main(["convert", str(all_types_gguf), str(out), "--precision", "q4"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(out), str(all_types_gguf)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    report = verify(out, all_types_gguf)
+    assert len(report.max_abs_error) > 1  # several lossy tensors, so one line each would be several
+    worst = max(report.max_abs_error, key=report.max_abs_error.get)
+    assert len(lines) == 2 and lines[1].startswith(f"verified {report.checked} tensors")
+    assert lines[0].startswith(f"  {len(report.max_abs_error)} lossy tensors: worst max |q4 - exact| ")
+    assert f"{report.max_abs_error[worst]:.3g} ({worst})" in lines[0]
