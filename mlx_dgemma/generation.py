@@ -286,7 +286,7 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
     dtype = dtype or runtime.activation_dtype  # the runtime precision's
     group = runtime.group
     try:
-        check_fits(estimate(model.args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
+        check_fits(estimate(runtime.rank_args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
                             chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids))
     except MemoryBudgetError as e:
         if group is None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import mlx.core as mx
 
 from .errors import ParameterError
-from .model import DiffusionGemma
+from .model import DiffusionGemma, ModelArgs
 from .precision import Precision
 from .sampler import SamplerParams
 from .step import StepFunction, effective_sc_top_k, step_key
@@ -67,6 +68,19 @@ class Runtime:
     def group(self) -> mx.distributed.Group | None:
         """The tensor-parallel group the model is sharded over (None: one process)."""
         return self.model.group
+
+    @cached_property
+    def rank_args(self) -> ModelArgs:
+        """The shapes this process computes with, for memory estimates: the model's own, or under
+        ``mlx.launch`` this rank's share (its attention and key/value heads, its slice of the
+        MLP and expert widths: ``plan.rank_args``), so a sharded model's prompt is priced at
+        what this rank holds, not at the whole model."""
+        if self.group is None:
+            return self.model.args
+        from .distributed import rank_of, size_of
+        from .plan import rank_args
+
+        return rank_args(self.model.args, size_of(self.group), rank_of(self.group))[0]
 
     def sc_top_k(self, params: SamplerParams) -> int | None:
         """The self-conditioning top-k a step under ``params`` runs with (None: the whole vocabulary)."""

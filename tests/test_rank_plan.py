@@ -18,7 +18,7 @@ from mlx_dgemma.cli import main
 from mlx_dgemma.demo import demo_file
 from mlx_dgemma.loader import model_inventory, plan_model
 from mlx_dgemma.model import DiffusionGemma
-from mlx_dgemma.plan import DEFAULT_CONTEXT, make_plan, rank_inventory
+from mlx_dgemma.plan import DEFAULT_CONTEXT, make_plan, rank_args, rank_inventory
 from mlx_dgemma.tiers import TIERS, TensorInfo, tensor_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -189,3 +189,23 @@ def test_auto_agrees_on_the_precision_every_rank_holds(demo_dir):
     rank0 = next(e for e in errors if not e.startswith("[rank"))
     assert rank0.startswith("mlx-dgemma generate: error: rank 1: ") and "on rank 1 of 2 (its share)" in rank0, rank0
     assert "1 KB is available (rank 1's simulated Mac)" in rank0 or "is available (rank 1's simulated Mac)" in rank0
+
+
+def test_a_sharded_runtime_prices_its_prompts_at_its_share():
+    """Generation's memory check of a prompt on a sharded model prices this rank's share (the
+    plan's: its heads and widths), not the whole model (which refused long prompts the rank
+    holds). On the demo the one global key/value head is on both ranks, so the cache is not
+    half; the attention's working memory is (4 heads -> 2)."""
+    from dataclasses import replace
+
+    from mlx_dgemma import load_demo
+    from mlx_dgemma.memory import estimate
+
+    rt = load_demo(precision="exact")
+    assert rt.rank_args is rt.model.args  # one process: the model's own shapes
+    whole = estimate(rt.rank_args, 2000)
+    rt.model.shard(Group(2, 1))
+    sharded_rt = replace(rt)  # as the loader builds it: the Runtime of a model already sharded
+    share = estimate(sharded_rt.rank_args, 2000)
+    assert sharded_rt.rank_args == rank_args(rt.model.args, 2, 1)[0]
+    assert share.kv_bytes < whole.kv_bytes and share.prefill_working_bytes < 0.7 * whole.prefill_working_bytes
