@@ -190,6 +190,8 @@ def test_a_text_completion_keeps_its_whitespace_so_tokens_and_offsets_match_the_
     (C, {"logprobs": 1}, "logprobs"),  # chat's is a boolean
     (X, {"logprobs": 6}, "logprobs"),
     (X, {"echo": True}, "echo"),
+    (X, {"best_of": 3}, "best_of"),  # the legacy API's other fields: refused, never silently ignored
+    (X, {"suffix": " world"}, "suffix"),
 ])
 def test_bad_logprob_fields_are_400_naming_the_field(served, path, patch, param):
     _, client = served
@@ -201,6 +203,7 @@ def test_bad_logprob_fields_are_400_naming_the_field(served, path, patch, param)
 def test_echo_false_is_accepted(served):
     _, client = served
     assert client.post(X, json={"prompt": "Hi", "max_tokens": 4, "echo": False, **FAST}).status_code == 200
+    assert client.post(X, json={"prompt": "Hi", "max_tokens": 4, "best_of": 1, "suffix": "", **FAST}).status_code == 200
 
 
 def test_token_bytes_of_byte_fallback_and_spaces(served):

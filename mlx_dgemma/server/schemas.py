@@ -213,6 +213,26 @@ class CompletionRequest(Sampling):
     prompt: Any
     logprobs: int | None = Field(None, ge=0, le=5)  # the legacy API's: log-probabilities with this many top tokens
     echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None) -> int | None:
+        """One answer per request (as ``n``): more candidates to choose from are refused rather
+        than ignored."""
+        if v is not None and v != 1:
+            raise ValueError("only best_of=1 is supported: this server generates one answer per request")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> str | None:
+        """Text after the insertion (fill-in-the-middle) is not part of the prompt format this
+        model was trained on; refused rather than ignored."""
+        if v:
+            raise ValueError("not supported: this model does not fill in the middle; leave suffix out")
+        return v
 
     @field_validator("echo")
     @classmethod
