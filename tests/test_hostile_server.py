@@ -69,6 +69,28 @@ def test_tool_call_arguments_with_a_number_python_cannot_parse_are_400(served, c
     assert "Traceback" not in caplog.text
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.parametrize("where", ["parameters", "arguments"])
+def test_tool_json_with_nan_or_infinity_is_400_naming_the_field(served, caplog, number, where):
+    # Python's json reads these (1e999 as inf): they were accepted and rendered into the prompt
+    _, client = served
+    if where == "parameters":
+        body = {"messages": [{"role": "user", "content": "?"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+        param, raw = "tools[0].function.parameters", json.dumps(body).replace('"object"', f'"object", "x": {number}')
+    else:
+        body = {"messages": _call_messages(json.dumps({"a": [1, "NUMBER"]}))}
+        param, raw = ARGS, json.dumps(body).replace('\\"NUMBER\\"', number)
+    assert number in raw
+    r = client.post("/v1/chat/completions", content=raw[:-1] + ', "max_tokens": 4, "max_denoising_steps": 1}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert err["message"].startswith(f"{param}: not valid JSON: NaN/Infinity are not JSON values"), err
+    assert "Traceback" not in caplog.text
+
+
 def test_tool_json_of_ordinary_depth_is_served(served):
     _, client = served
     body = {"messages": _call_messages(json.dumps({"a": _nested(10)})), "max_tokens": 4, "max_denoising_steps": 1,

@@ -26,7 +26,7 @@ from mlx_dgemma.worker import ModelWorker, Ticket, WorkerBusy, WorkerStopped
 
 from .errors import APIError, ContextLengthError
 from .openai import Answer, Result, marker_ids
-from .schemas import MAX_JSON_DEPTH, SAMPLER_FIELDS, Message, Sampling, json_depth
+from .schemas import MAX_JSON_DEPTH, NOT_FINITE, SAMPLER_FIELDS, Message, Sampling, finite_json, json_depth
 
 if TYPE_CHECKING:
     from mlx_dgemma.runtime import Runtime
@@ -122,6 +122,8 @@ def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
                 if too_deep:
                     raise APIError(400, f"{where}: nested more than {MAX_JSON_DEPTH} levels deep; flatten it",
                                    param=where)
+                if not finite_json(args):
+                    raise APIError(400, f"{where}: {NOT_FINITE}", param=where)
                 if not isinstance(args, dict):
                     raise APIError(400, f"{where}: expected a JSON object, got {type(args).__name__}", param=where)
                 calls[c.id] = c.function.name

@@ -8,6 +8,7 @@ type, range and description declared there once.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
@@ -56,6 +57,23 @@ def check_depth(value: Any) -> Any:
     return value
 
 
+# Python's json reads NaN, Infinity and numbers beyond a double's range (1e999 is inf): none of
+# them is a JSON value, and the chat template would render them into the prompt as such
+NOT_FINITE = "not valid JSON: NaN/Infinity are not JSON values; send finite numbers"
+
+
+def finite_json(value: Any) -> bool:
+    """Whether ``value`` (parsed JSON) holds no NaN or infinite number; iterative, as json_depth."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        if isinstance(v, (dict, list)):
+            todo += v.values() if isinstance(v, dict) else v
+    return True
+
+
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -89,7 +107,10 @@ class FunctionDef(Body):
     @field_validator("parameters")
     @classmethod
     def _depth(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_depth(v)
+        v = check_depth(v)
+        if not finite_json(v):
+            raise ValueError(NOT_FINITE)
+        return v
 
 
 class Tool(Body):
