@@ -155,6 +155,9 @@ def tools_for(tools: list[Any] | None, tool_choice: Any) -> list[dict[str, Any]]
     return out
 
 
+TOOLS_FIX = "send fewer or shorter tools (or tool_choice naming the one to use)"
+
+
 def plain_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
     """A conversation the core's ChatSession continues: no tools, only user/assistant text
     turns ending with the user's."""
@@ -414,7 +417,8 @@ class Engine:
                            "max_denoising_steps or max_tokens", param=field, code="work_budget_exceeded")
         return cap
 
-    def _check_size(self, texts: list[tuple[str, str]], total_param: str, rendered: bool = True) -> None:
+    def _check_size(self, texts: list[tuple[str, str]], total_param: str, rendered: bool = True,
+                    fix: str | None = None) -> None:
         """Reject text that cannot fit before any rendering or tokenizing: every token holds at
         most ``max_token_bytes`` bytes of text, so N bytes are at least N / max_token_bytes tokens;
         ``rendered`` text must also fit the chat template's output budget."""
@@ -427,7 +431,7 @@ class Engine:
         if least > self.context:
             raise ContextLengthError(f"{total_param}: {n_bytes} bytes of text are at least {least} tokens (a token "
                                      f"holds at most {self.max_token_bytes} bytes), beyond the model's context "
-                                     f"of {self.context}; shorten the {total_param}", total_param)
+                                     f"of {self.context}; {fix or 'shorten the ' + total_param}", total_param)
 
     def template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
         """The chat template for ``messages``: the model's, or for tools where it has none the
@@ -440,18 +444,35 @@ class Engine:
         """Render the whole conversation as a fresh prompt: template errors are 400, a prompt
         beyond the context 413. Returns its token count."""
         texts = [(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)]
-        if tools:
-            texts.append(("tools", json.dumps(tools, ensure_ascii=False)))
         self._check_size(texts, "messages")
+        if tools:  # the messages fit: where the tools are what does not, they are named
+            self._check_size(texts + [("tools", json.dumps(tools, ensure_ascii=False))], "tools",
+                             fix=TOOLS_FIX)
+        n = self._prompt_tokens(messages, enable_thinking, tools)
+        try:
+            self.fit(n, params)
+        except ContextLengthError:
+            if not tools:
+                raise
+            n0 = self._prompt_tokens(messages, enable_thinking, None)
+            if n0 + self.canvas > self.context:  # too long without the tools too: the messages' error
+                raise
+            raise ContextLengthError(
+                f"tools: the prompt is {n} tokens, {n - n0} of them the tools' declarations, and the answer "
+                f"needs at least one {self.canvas}-token block: {n + self.canvas} exceed the model's context of "
+                f"{self.context}; {TOOLS_FIX}", "tools") from None
+        return n
+
+    def _prompt_tokens(self, messages: list[dict[str, Any]], enable_thinking: bool,
+                       tools: list[dict[str, Any]] | None) -> int:
+        """The rendered prompt's token count; template errors are 400."""
         try:
             text = render_chat(messages, self.template(messages, tools), enable_thinking=enable_thinking, tools=tools)
         except ParameterError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a template's own error on odd input
             raise APIError(400, f"messages: the chat template cannot render them ({e})", param="messages") from None
-        n = len(self.tokenizer.encode(text))
-        self.fit(n, params)
-        return n
+        return len(self.tokenizer.encode(text))
 
     def prepare_completion(self, prompt: str | list[int], params: dict[str, Any]) -> list[int]:
         if isinstance(prompt, str):
