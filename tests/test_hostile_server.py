@@ -174,3 +174,23 @@ def test_messages_beyond_the_context_beside_tools_are_still_named_messages(serve
     assert r.status_code == 413, r.text
     err = r.json()["error"]
     assert err["param"] == "messages" and err["message"].endswith("; shorten the messages"), err
+
+
+def test_a_refused_cors_preflight_is_a_json_error_object(served):
+    # was Starlette's plain-text "Disallowed CORS origin"
+    from fastapi.testclient import TestClient
+
+    from mlx_dgemma.server import create_app
+    from mlx_dgemma.server.app import Settings
+
+    engine, _ = served
+    client = TestClient(create_app(engine, Settings(cors_origins=("http://a.example",))))  # no lifespan: no restart
+    pre = {"Access-Control-Request-Method": "POST"}
+    r = client.options("/v1/chat/completions", headers={"Origin": "http://b.example", **pre})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "cors_disallowed", err
+    assert err["message"].startswith("CORS preflight: disallowed origin;"), err
+    assert "access-control-allow-origin" not in r.headers
+    r = client.options("/v1/chat/completions", headers={"Origin": "http://a.example", **pre})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://a.example"

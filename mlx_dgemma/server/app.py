@@ -25,7 +25,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from .engine import Engine, Job, normalize_messages, tools_for
 from .errors import APIError
@@ -137,6 +139,21 @@ async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
 
 
 # --------------------------------------------------------------------------- middleware
+
+
+class CORS(CORSMiddleware):
+    """Starlette's CORS, but a refused preflight (still 400) is answered like every other error
+    of the server: an OpenAI-style JSON object, not Starlette's plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        failed = bytes(response.body).decode().removeprefix("Disallowed CORS ")  # e.g. "origin, method"
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        return _error(APIError(400, f"CORS preflight: disallowed {failed}; browsers may call this server only "
+                               "from the origins it was started with (--cors), with GET, HEAD or POST",
+                               code="cors_disallowed", headers=headers))
 
 
 class RequestLog:
@@ -472,9 +489,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     app.include_router(router)
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, read_timeout=settings.read_timeout)
     if settings.cors_origins:
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+        app.add_middleware(CORS, allow_origins=list(settings.cors_origins),
                            allow_methods=["GET", "HEAD", "POST", "OPTIONS"], allow_headers=["*"], max_age=600)
     app.add_middleware(RequestLog)  # added last: the outermost of ours
     return app
