@@ -131,13 +131,19 @@ def planned_precision(args: argparse.Namespace) -> str:
     from .plan import parse_size
 
     limit = parse_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
-    if not getattr(args, "model", None) or getattr(args, "demo", False):
+    if getattr(args, "demo", False):  # the demo is a model file like any other: planned the same
+        from .demo import demo_file
+
+        model = demo_file("trained")
+    elif not getattr(args, "model", None):
         return args.precision
+    else:
+        model = args.model
     from .loader import plan_model
     from .plan import choose_across_ranks
 
     # under mlx.launch: this rank's share, and the same precision on every rank
-    return choose_across_ranks(plan_model(args.model, limit), args.precision)
+    return choose_across_ranks(plan_model(model, limit), args.precision)
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:

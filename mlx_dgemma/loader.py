@@ -199,13 +199,15 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
     return Runtime(model, tokenizer, gen, prec)
 
 
-def load_demo(dtype: mx.Dtype | str | None = None, kind: str = "trained", precision: str | Precision = "auto"
-              ) -> Runtime:
+def load_demo(dtype: mx.Dtype | str | None = None, kind: str = "trained", precision: str | Precision = "auto",
+              memory_limit: int | None = None) -> Runtime:
     """The :class:`Runtime` of the built-in demo model ``kind`` ('trained' or 'random', see
-    :mod:`mlx_dgemma.demo`) in runtime ``precision``; its ``demo_kind`` names the kind."""
+    :mod:`mlx_dgemma.demo`) in runtime ``precision``; its ``demo_kind`` names the kind. It is
+    planned as :func:`load` plans any model (against ``memory_limit`` bytes, or the device)."""
     from .demo import demo_file
 
-    return replace(load(demo_file(kind), precision=precision, dtype=dtype), demo_kind=kind)
+    return replace(load(demo_file(kind), precision=precision, dtype=dtype, memory_limit=memory_limit),
+                   demo_kind=kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,7 +238,7 @@ def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: st
         path = resolve_model(model, demo)
         agree_startup()  # every rank found its model: load
         if demo:
-            loaded = load_demo(precision=prec)
+            loaded = load_demo(precision=prec, memory_limit=memory_limit)
         else:
             loaded = load(path, precision=precision, dtype=dtype, progress=progress, memory_limit=memory_limit)
     except DGemmaError as e:

@@ -260,6 +260,24 @@ def test_model_that_does_not_fit_is_refused_before_loading(tiny_gguf, capsys, mo
         assert len(err) == 1 and "(--memory-limit)" in err[0], (command, err)
 
 
+def test_demo_that_does_not_fit_is_refused_like_any_model(capsys, monkeypatch):
+    # --memory-limit was ignored for --demo: generate ran, chat and serve started
+    import mlx_dgemma.loader as loader
+    import mlx_dgemma.server as server
+    import mlx_dgemma.tui.app as tui_app
+
+    def started(*a, **k):
+        raise AssertionError("loaded or started despite --memory-limit")
+
+    for module, name in ((loader, "load_gguf"), (tui_app, "run_app"), (server, "main")):
+        monkeypatch.setattr(module, name, started)
+    for command in (["generate", "--prompt", "hi"], ["chat"], ["serve"]):
+        code = main([*command, "--demo", "--memory-limit", "1KB"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1, (command, code, err)
+        assert "needs about" in err[0] and "0 MB is available (--memory-limit)" in err[0], (command, err)
+
+
 def test_refusal_names_the_precision_that_fits(tiny_gguf, capsys):
     p = plan_model(tiny_gguf)
     limit = (p.row("fast").needed_bytes + p.row("q3").needed_bytes) // 2
