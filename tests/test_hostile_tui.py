@@ -6,21 +6,11 @@ from __future__ import annotations
 import threading
 
 from mlx_dgemma.tui.app import DGemmaApp
-from tests.tui_fakes import ScriptedBackend
-
-
-class StuckBackend(ScriptedBackend):
-    def __init__(self):
-        super().__init__()
-        self.release = threading.Event()
-
-    def load(self, progress):
-        progress("stuck")
-        self.release.wait(120)  # a load that does not come back (a hang in a file's parser)
+from tests.tui_fakes import GatedLoad
 
 
 async def test_ctrl_q_quits_while_the_load_is_stuck():
-    backend = StuckBackend()
+    backend = GatedLoad("stuck", finish=False, wait_s=120)  # a load that does not come back (a hung parser)
     app = DGemmaApp(backend)
     try:
         async with app.run_test() as pilot:

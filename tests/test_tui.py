@@ -17,7 +17,7 @@ from mlx_dgemma.tui.screens.welcome import WelcomeScreen
 from mlx_dgemma.tui.widgets.canvas import CanvasView
 from mlx_dgemma.tui.widgets.chat_log import Answer
 
-from .tui_fakes import ScriptedBackend
+from .tui_fakes import GatedLoad, ScriptedBackend
 
 SIZE = (140, 40)
 
@@ -855,18 +855,7 @@ async def test_ctrl_q_quits_from_the_settings_dialog():
 
 
 async def test_escape_on_a_message_sent_during_the_load_cancels_it_before_it_starts():
-    import threading
-
-    class SlowLoad(ScriptedBackend):
-        def __init__(self):
-            super().__init__(steps=2, blocks=1)
-            self.release = threading.Event()
-
-        def load(self, progress):
-            self.release.wait(30)
-            super().load(progress)
-
-    backend = SlowLoad()
+    backend = GatedLoad(steps=2, blocks=1)
     app = DGemmaApp(backend)
     try:
         async with app.run_test(size=SIZE) as pilot:
@@ -910,18 +899,7 @@ async def test_ctrl_q_during_the_load_stops_it_between_pieces():
 
 async def test_ctrl_q_during_the_load_does_not_speak_of_a_step():
     """While the model loads there is no step to finish: the status line says "stopping…"."""
-    import threading
-
-    class BlockedLoad(ScriptedBackend):
-        def __init__(self):
-            super().__init__(steps=2, blocks=1)
-            self.release = threading.Event()
-
-        def load(self, progress):
-            progress("loading 1/2 blk.0.weight")
-            self.release.wait(30)
-
-    backend = BlockedLoad()
+    backend = GatedLoad("loading 1/2 blk.0.weight", finish=False, steps=2, blocks=1)
     app = DGemmaApp(backend)
     try:
         async with app.run_test(size=SIZE) as pilot:

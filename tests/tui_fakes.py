@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -96,3 +97,21 @@ class ScriptedBackend:
                         steps_per_block=(N,) * self.blocks, seconds_per_step=0.25,
                         tokens_per_forward=len(out) / done_steps, generation_seconds=3.0,
                         peak_memory_bytes=200_000_000, precision=self.precision_label)
+
+
+class GatedLoad(ScriptedBackend):
+    """A load that waits for ``release`` (set it in a ``finally``: a test that fails must not
+    leave the engine thread waiting): first it reports ``line`` (if any), then, once released,
+    it finishes (``finish``) or returns without loading (a load that was given up)."""
+
+    def __init__(self, line: str | None = None, finish: bool = True, wait_s: float = 30, **kw: Any):
+        super().__init__(**kw)
+        self.release = threading.Event()
+        self.line, self.finish, self.wait_s = line, finish, wait_s
+
+    def load(self, progress: Callable[[str], None]) -> None:
+        if self.line is not None:
+            progress(self.line)
+        self.release.wait(self.wait_s)
+        if self.finish:
+            super().load(progress)
