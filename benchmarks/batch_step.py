@@ -24,7 +24,6 @@ precision the server loads (``auto``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ import numpy as np
 from mlx_dgemma import Runtime, load, load_demo
 from mlx_dgemma.bench.configs import build
 from mlx_dgemma.bench.flops import dense_matmul_gflops, step_flops
-from mlx_dgemma.bench.report import machine
+from mlx_dgemma.bench.report import emit, machine
 from mlx_dgemma.cache import KVCache, LayerCache
 from mlx_dgemma.sampler import SamplerParams
 from mlx_dgemma.step import OUTPUTS, StepFunction
@@ -243,10 +242,7 @@ def main() -> int:
               f"{r['speedup']:.2f}x | {r['serial_per_seq_s']:.3f} / {r['batched_per_seq_s']:.3f} | "
               f"{r['serial_gflops']:.2f} / {r['batched_gflops']:.2f} / {r['dense_matmul_gflops']:.2f} | "
               f"{r['stack_s']:.3f} | {r['logits_max_rel_err']:.1e} | {r['load_before']} -> {r['load_after']} |")
-    print(json.dumps(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    emit(result, args.json)
     return 0
 
 

@@ -216,10 +216,9 @@ def main() -> int:
     print(f"prefix reuse: turn 2 = {pr['turn2_prompt_tokens']} prompt tokens; continued: {pr['reused_prefilled_tokens']} "
           f"prefilled ({pr['reused_cached_tokens']} cached) in {pr['reused_prefill_s']} s; fresh: "
           f"{pr['fresh_prefilled_tokens']} prefilled in {pr['fresh_prefill_s']} s")
-    print(json.dumps(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    from mlx_dgemma.bench.report import emit  # after the measurement: the client never held MLX meanwhile
+
+    emit(result, args.json)
     return 0
 
 
@@ -405,10 +404,9 @@ def load_main(args: argparse.Namespace) -> int:
           f"{sk['rss_mb'][-1]} MB (every 25: {sk['rss_mb']})")
     print(f"disconnects: {gone['clients_gone']} clients left; idle {gone['idle_after_last_left_s']} s after the "
           f"last left, {gone['cancelled_by_server']} cancelled; next request ok: {gone['next_request_ok']}")
-    print(json.dumps(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    from mlx_dgemma.bench.report import emit  # after the measurement: the client never held MLX meanwhile
+
+    emit(result, args.json)
     return 0
 
 

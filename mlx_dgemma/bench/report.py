@@ -75,3 +75,15 @@ def table(result: dict) -> str:
             lines.append(f"formats: exact {f['exact']['bytes'] / 1e6:.1f} MB {step(f['exact'])}; "
                          f"compact {f['compact']['bytes'] / 1e6:.1f} MB {step(f['compact'])}")
     return "\n".join(lines)
+
+
+def emit(result: dict, path: str | os.PathLike | None) -> None:
+    """A benchmark's result: printed as one JSON line (after its table), and written, indented,
+    to ``path`` (its folder made) when one is given."""
+    import json
+    from pathlib import Path
+
+    print(json.dumps(result))
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2))
