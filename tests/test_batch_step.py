@@ -2,8 +2,6 @@
 their caches stacked (padded, each with its own slot positions and RoPE offset), give through
 one decoder pass and one compiled step what each gives alone. Its timings are not a test."""
 
-import importlib.util
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -12,8 +10,8 @@ import pytest
 from mlx_dgemma import load
 from mlx_dgemma.sampler import SamplerParams
 from mlx_dgemma.step import StepFunction
+from tests.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 # a prompt shorter than the sliding window (empty ring slots), one longer, and one past the
 # global layer's first bucket of 1024 slots (the others are padded to its capacity)
 LENGTHS = (5, 40, 1030)
@@ -21,10 +19,7 @@ LENGTHS = (5, 40, 1030)
 
 @pytest.fixture(scope="module")
 def bs():
-    spec = importlib.util.spec_from_file_location("batch_step", ROOT / "benchmarks" / "batch_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/batch_step.py")
 
 
 @pytest.fixture(scope="module")

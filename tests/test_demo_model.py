@@ -3,7 +3,6 @@ published file's format, loaded by ``load_demo``, and a model that has learned s
 that its entropy falls and its stop rule fires (the random demo's does neither)."""
 
 import argparse
-import importlib.util
 import json
 import re
 import shutil
@@ -24,8 +23,8 @@ from mlx_dgemma.errors import ParameterError
 from mlx_dgemma.events import DoneEvent, StepEvent
 from mlx_dgemma.generation import ChatSession
 from mlx_dgemma.convert.tokenizer_data import SPECIALS
+from tests.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_demo.py"
 # The file's optional sampler keys and the generation parameters they set.
 EB_KEYS = {"diffusion.eb_max_steps": "max_denoising_steps", "diffusion.eb_t_min": "t_min",
            "diffusion.eb_t_max": "t_max", "diffusion.eb_entropy_bound": "entropy_bound",
@@ -110,9 +109,7 @@ def test_load_exposes_the_files_sampler_defaults(demo, reader):
 def test_defaults_stage_rewrites_only_the_sampler_keys(tmp_path, monkeypatch, reader):
     """scripts/train_demo.py's 'defaults' stage: new sampler keys reach load(), the tensor data
     stays byte for byte; rewritten back with the shipped values, the file is the shipped file."""
-    spec = importlib.util.spec_from_file_location("train_demo", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/train_demo.py")
     shipped = trained_demo_path()
     path = tmp_path / shipped.name
     shutil.copy(shipped, path)

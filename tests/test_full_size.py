@@ -2,7 +2,6 @@
 (metadata, tensor names, shapes, types, offsets), its blocks are valid, and the byte total of
 the whole inventory is the published file's. The full run (40 GB of disk) is not a test."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 from gguf.quants import dequantize
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = ROOT / "tests" / "data" / "diffusiongemma-26b-a4b-it-q4_k_m.header.json"
@@ -18,10 +18,7 @@ PUBLISHED_DATA_BYTES = 16_790_985_600  # the published file's tensor data (tests
 
 @pytest.fixture(scope="module")
 def fs():
-    spec = importlib.util.spec_from_file_location("full_size", ROOT / "benchmarks" / "full_size.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/full_size.py")
 
 
 @pytest.fixture(scope="module")

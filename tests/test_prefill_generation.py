@@ -123,14 +123,11 @@ def test_cli_refuses_with_one_line_and_exit_code(tiny_model_dir, monkeypatch, ca
 
 def test_prefill_benchmark_runs_and_reports(tmp_path, capsys):
     """benchmarks/prefill.py end to end on `tiny` (ours only, fresh process): table and JSON."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill.py"
-    spec = importlib.util.spec_from_file_location("prefill_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from tests.scripts import load_script
+
+    bench = load_script("benchmarks/prefill.py")
     out = tmp_path / "p.json"
     assert bench.main(["--config", "tiny", "--lengths", "96", "--chunks", "32", "--impls", "ours",
                        "--workdir", str(tmp_path / "w"), "--json", str(out)]) == 0

@@ -780,14 +780,12 @@ def test_chat_command_takes_think_and_system(monkeypatch):
 
 
 def test_the_screenshot_script_writes_the_tracked_picture_only_when_asked(tmp_path, monkeypatch):
-    import importlib.util
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "screenshot.py"
-    spec = importlib.util.spec_from_file_location("screenshot_script", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    docs = script.parent.parent / "docs" / "screenshot.svg"
+    from tests.scripts import ROOT, load_script
+
+    mod = load_script("scripts/screenshot.py")
+    docs = ROOT / "docs" / "screenshot.svg"
     monkeypatch.chdir(tmp_path)
     assert mod.output_path(None, False) == Path("screenshot.svg")  # untracked, in the current directory
     assert mod.output_path(str(tmp_path / "x.svg"), False) == tmp_path / "x.svg"
