@@ -67,3 +67,19 @@ def gemma3_reader(gemma3_gguf):
     from gguf import GGUFReader
 
     return GGUFReader(gemma3_gguf)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The server on the demo model, in process: (its engine, a TestClient). A server error is
+    the 500 a client gets (not re-raised here), so a test sees what a client would."""
+    from fastapi.testclient import TestClient
+
+    from mlx_dgemma.server import Engine, create_app
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLX_DGEMMA_CACHE", str(tmp_path_factory.mktemp("cache")))
+    engine = Engine(demo=True)
+    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+        yield engine, client
+    mp.undo()

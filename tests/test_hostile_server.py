@@ -9,20 +9,6 @@ import json
 import pytest
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from fastapi.testclient import TestClient
-
-    from mlx_dgemma.server import Engine, create_app
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLX_DGEMMA_CACHE", str(tmp_path_factory.mktemp("cache")))
-    engine = Engine(demo=True)
-    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
-        yield engine, client
-    mp.undo()
-
-
 def _nested(depth: int) -> dict:
     v: dict = {"type": "string"}
     for _ in range(depth):

@@ -18,20 +18,6 @@ FAST = {"max_denoising_steps": 2, "seed": 3}
 C, X = "/v1/chat/completions", "/v1/completions"
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from fastapi.testclient import TestClient
-
-    from mlx_dgemma.server import Engine, create_app
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLX_DGEMMA_CACHE", str(tmp_path_factory.mktemp("cache")))
-    engine = Engine(demo=True)
-    with TestClient(create_app(engine)) as client:
-        yield engine, client
-    mp.undo()
-
-
 def chat(**kw: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "And God said"}], "max_tokens": 40, **FAST, **kw}
 

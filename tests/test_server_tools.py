@@ -131,20 +131,6 @@ def test_the_answer_holds_calls_and_text_apart():
 
 # --------------------------------------------------------------------------- the server
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from fastapi.testclient import TestClient
-
-    from mlx_dgemma.server import Engine, create_app
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLX_DGEMMA_CACHE", str(tmp_path_factory.mktemp("cache")))
-    engine = Engine(demo=True)
-    with TestClient(create_app(engine)) as client:
-        yield engine, client
-    mp.undo()
-
-
 class Script:
     """Stands in for the core's generate: answers each prompt with the next scripted text, in
     canvas-sized blocks, and records the prompts it was given (decoded)."""
