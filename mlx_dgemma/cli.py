@@ -430,22 +430,13 @@ def _follow_chat(args: argparse.Namespace, precision: str) -> int:
     import os
     import signal
 
-    from .lockstep import ModelRuntime
+    from .lockstep import run_follower
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    runtime = load_for_cli(args.model, args.demo, args.dtype, precision)
-    code = 0
-    try:
-        ModelRuntime(runtime).follow()
-    except Exception as e:  # noqa: BLE001 - the ring broke: rank 0 is gone
-        print(f"mlx-dgemma chat: error: lost rank 0 ({type(e).__name__}: {e}); this rank stops",
-              file=sys.stderr, flush=True)
-        code = 1
-    sys.stdout.flush()
-    os._exit(code)  # as serve's followers: no C++ static destructors racing MLX state at exit
+    run_follower(load_for_cli(args.model, args.demo, args.dtype, precision), "chat")
 
 
 CHAT_EPILOG = """\

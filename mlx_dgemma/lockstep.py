@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import mlx.core as mx
 import numpy as np
@@ -242,3 +242,22 @@ class ModelRuntime:
                 pass  # rank 0 meets the same error and reports it
             except Exception:  # noqa: BLE001 - the follower goes on with the next operation
                 log.exception("operation %s failed on rank %d", kind, ls.rank)
+
+
+def run_follower(runtime: Runtime, command: str) -> NoReturn:
+    """A rank > 0 of a front end (``chat``, ``serve``) once its slices are loaded: run every
+    model call rank 0 makes until it shuts down, then end the process at once (``os._exit``:
+    no C++ static destructors racing MLX state at exit). If rank 0 is gone without a word, the
+    ring's connection breaks: one line (``mlx-dgemma COMMAND: error: ...``), exit 1."""
+    import os
+    import sys
+
+    code = 0
+    try:
+        ModelRuntime(runtime).follow()
+    except Exception as e:  # noqa: BLE001 - the ring broke: rank 0 is gone
+        print(f"mlx-dgemma {command}: error: lost rank 0 ({type(e).__name__}: {e}); this rank stops",
+              file=sys.stderr, flush=True)
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)

@@ -228,21 +228,12 @@ def follow(args: argparse.Namespace) -> int:
     launcher ends the other ranks)."""
     import signal
 
-    from mlx_dgemma.lockstep import ModelRuntime
+    from mlx_dgemma.lockstep import run_follower
 
     from .engine import load_model
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    runtime = load_model(args.model, args.demo, args.dtype, args.precision)
-    code = 0
-    try:
-        ModelRuntime(runtime).follow()
-    except Exception as e:  # noqa: BLE001 - the ring broke: rank 0 is gone
-        print(f"mlx-dgemma serve: error: lost rank 0 ({type(e).__name__}: {e}); this rank stops",
-              file=sys.stderr, flush=True)
-        code = 1
-    sys.stdout.flush()
-    os._exit(code)  # as rank 0 does: no C++ static destructors racing MLX state at exit
+    run_follower(load_model(args.model, args.demo, args.dtype, args.precision), "serve")
 
 
 def main(args: argparse.Namespace) -> int:
