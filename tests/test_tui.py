@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 import subprocess
 import sys
 
@@ -141,13 +144,20 @@ async def test_export_writes_json_lines(tmp_path):
     assert recs[-1]["stopped"] and recs[0]["draft_text"].startswith("The sky")
 
 
-async def test_settings_validate_and_apply():
+@asynccontextmanager
+async def settings_open() -> AsyncIterator[tuple[DGemmaApp, Any, ScriptedBackend]]:
+    """The app on a loaded scripted model with the settings dialog (Ctrl+O) open."""
     backend = ScriptedBackend(steps=2, blocks=1)
     app = DGemmaApp(backend)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: backend.loaded)
         await pilot.press("ctrl+o")
         assert isinstance(app.screen, SettingsScreen)
+        yield app, pilot, backend
+
+
+async def test_settings_validate_and_apply():
+    async with settings_open() as (app, pilot, backend):
         box = app.screen.query_one("#set-t_min")
         box.value = "0.9"  # above t_max: refused with the rule
         await pilot.click("#save")
@@ -168,12 +178,7 @@ async def test_settings_validate_and_apply():
 
 
 async def test_settings_enter_in_a_field_saves():
-    backend = ScriptedBackend(steps=2, blocks=1)
-    app = DGemmaApp(backend)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: backend.loaded)
-        await pilot.press("ctrl+o")
-        assert isinstance(app.screen, SettingsScreen)
+    async with settings_open() as (app, pilot, backend):
         box = app.screen.query_one("#set-max_denoising_steps")
         box.value = "0"  # refused: Enter shows the error and keeps the dialog
         box.focus()
@@ -194,11 +199,7 @@ async def test_settings_enter_in_a_field_saves():
     ("max_denoising_steps", "0", "max steps per block: 0 must be an integer in [1, 10000]"),
 ])
 async def test_settings_name_a_fields_range_before_the_rules_between_fields(field, value, expected):
-    backend = ScriptedBackend(steps=2, blocks=1)
-    app = DGemmaApp(backend)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: backend.loaded)
-        await pilot.press("ctrl+o")
+    async with settings_open() as (app, pilot, backend):
         app.screen.query_one(f"#set-{field}").value = value
         await pilot.click("#save")
         assert isinstance(app.screen, SettingsScreen)
@@ -840,12 +841,7 @@ async def test_quit_during_an_answer_says_stopping_and_waits_for_the_engine():
 
 async def test_ctrl_q_quits_from_the_settings_dialog():
     """A modal screen must not swallow Ctrl+Q (the footer still offers it there)."""
-    backend = ScriptedBackend(steps=2, blocks=1)
-    app = DGemmaApp(backend)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: backend.loaded)
-        await pilot.press("ctrl+o")
-        assert isinstance(app.screen, SettingsScreen)
+    async with settings_open() as (app, pilot, backend):
         assert app.screen.query_one("#set-accept_probability").placeholder == "off: EntropyBound"  # not "random"
         await pilot.press("ctrl+q")
         await pilot.pause()
