@@ -13,36 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .errors import DGemmaError, Terminated, terminate_as_interrupt
+from .errors import DGemmaError, Terminated, hold_interrupts, terminate_as_interrupt
 from .params import flags  # generation parameter -> its flag (standard library only)
 
 if TYPE_CHECKING:
     from .events import StepEvent
 
-
-@contextmanager
-def interrupt_after_imports() -> Iterator[None]:
-    """Hold Ctrl+C until the block (module imports) is done, then raise KeyboardInterrupt.
-
-    An interrupt inside a third-party import does not always arrive as KeyboardInterrupt:
-    pydantic-core's Rust init turned it into ``PanicException`` (a traceback), and an optional
-    import wrapped in ``except ImportError`` swallows it (the server then started anyway).
-    Imports take well under a second, so holding the signal that long costs nothing."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield  # not ours to change (a test runner, an embedding app, SIGINT ignored)
-        return
-    held: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if held:
-        raise KeyboardInterrupt
 
 # --------------------------------------------------------------------------- convert, verify
 
@@ -128,22 +104,23 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
 def planned_precision(args: argparse.Namespace) -> str:
     """--precision after the memory plan (auto -> the most exact form that fits --memory-limit or
     the device); refuses, in one line, a model that does not fit. Nothing is loaded."""
-    from .plan import parse_size
-
-    limit = parse_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
-    if getattr(args, "demo", False):  # the demo is a model file like any other: planned the same
-        from .demo import demo_file
-
-        model = demo_file("trained")
-    elif not getattr(args, "model", None):
+    if not getattr(args, "demo", False) and not getattr(args, "model", None):
         return args.precision
-    else:
-        model = args.model
-    from .loader import plan_model
-    from .plan import choose_across_ranks
+    # the plan imports MLX (the device's memory): Ctrl+C inside mlx.core's import was swallowed
+    # (the server then started anyway) or aborted the process; reading a header takes a moment
+    with hold_interrupts():
+        from .loader import plan_model
+        from .plan import choose_across_ranks, parse_size
 
-    # under mlx.launch: this rank's share, and the same precision on every rank
-    return choose_across_ranks(plan_model(model, limit), args.precision)
+        limit = parse_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
+        if getattr(args, "demo", False):  # the demo is a model file like any other: planned the same
+            from .demo import demo_file
+
+            model = demo_file("trained")
+        else:
+            model = args.model
+        # under mlx.launch: this rank's share, and the same precision on every rank
+        return choose_across_ranks(plan_model(model, limit), args.precision)
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -289,7 +266,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.trace:
         check_trace_path(args.trace, "--trace")
     model_path = resolve_model(args.model, args.demo)  # --model, else $MLX_DGEMMA_MODEL; checked
-    with interrupt_after_imports():
+    with hold_interrupts():
         from .events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
         from .generation import stream_generate
         from .plan import parse_size
@@ -382,7 +359,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     # --model, else $MLX_DGEMMA_MODEL, checked before Textual and MLX load; neither: the app offers the demo
     model = resolve_model(args.model, args.demo, required=False)
-    with interrupt_after_imports():
+    with hold_interrupts():
         from mlx_dgemma.tui.app import run_app
 
     from .precision import resolve_precision
@@ -474,7 +451,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # --model, else $MLX_DGEMMA_MODEL (checked here: a mistyped path fails before the server's imports)
     args.model = resolve_model(args.model, args.demo)
-    with interrupt_after_imports():
+    with hold_interrupts():
         from .demo import DEMO_NOTICES
         from .server import check_args, main as serve_main
     check_args(args)  # a bad flag is the one line printed, before the notice and the memory plan
@@ -660,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args: argparse.Namespace | None = None
     try:
-        with interrupt_after_imports():  # building the parser imports the options of bench or serve
+        with hold_interrupts():  # building the parser imports the options of bench or serve
             parser = build_parser(argv)
         if not [a for a in argv if a != "--debug"]:  # bare `mlx-dgemma`: the help, "first time?" included
             parser.print_help(sys.stderr)

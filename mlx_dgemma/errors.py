@@ -41,6 +41,30 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextmanager
+def hold_interrupts() -> Iterator[None]:
+    """Hold Ctrl+C until the block is done, then raise KeyboardInterrupt (main thread only).
+
+    For blocks that import third-party modules or build objects in native code, where an
+    interrupt does not reliably arrive as KeyboardInterrupt: pydantic-core's Rust init turned
+    it into ``PanicException`` (a traceback); an optional import wrapped in ``except ImportError``,
+    mlx.core's native init and importlib's module-lock callback each swallowed it (the server
+    then started anyway), and once it aborted the process. Keep such blocks short: nothing
+    inside them can be interrupted."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # not ours to change (a test runner, an embedding app, SIGINT ignored, an outer hold)
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
+
+
+@contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM and SIGHUP raise KeyboardInterrupt (with ``signum``) like Ctrl+C, so the same
     clean-up runs; only in the main thread (where Python delivers signals)."""

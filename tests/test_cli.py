@@ -296,8 +296,12 @@ def test_ctrl_c_early_is_one_line(delay, tmp_path):
                 break
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
-        rest = proc.stderr.read()
-        code = proc.wait(60)
+        try:  # bounded: an interrupt lost on the way means a server that runs on (a hang)
+            _, rest = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"SIGINT {delay}s after the CLI started was lost: the server still ran 60 s later")
+        code = proc.returncode
     finally:
         proc.kill()
     err = [ln for ln in rest.splitlines() if not ln.startswith("import time:")]

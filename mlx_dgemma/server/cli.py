@@ -18,7 +18,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from mlx_dgemma.errors import DGemmaError, ParameterError
+from mlx_dgemma.errors import DGemmaError, ParameterError, hold_interrupts
 
 log = logging.getLogger("mlx_dgemma.server")
 
@@ -248,16 +248,19 @@ def main(args: argparse.Namespace) -> int:
 
     if launched() and launched_rank() > 0:  # under mlx.launch: rank 0 serves, this rank follows it
         return follow(args)
-    limits, settings = _settings(args)
-    _raise_fd_limit(args.max_connections)
-    sock = listen(args.host, args.port)  # before loading: a taken port fails fast
-    import uvicorn
+    # Ctrl+C is held while this thread imports and builds (see hold_interrupts: an interrupt
+    # lost there started the server anyway), and acts at once while it waits for the load
+    with hold_interrupts():
+        limits, settings = _settings(args)
+        _raise_fd_limit(args.max_connections)
+        sock = listen(args.host, args.port)  # before loading: a taken port fails fast
+        import uvicorn
 
-    from .app import create_app
-    from .engine import Engine
+        from .app import create_app
+        from .engine import Engine
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    engine = Engine(args.model, args.demo, args.dtype, args.precision, args.model_id, limits)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+        engine = Engine(args.model, args.demo, args.dtype, args.precision, args.model_id, limits)
     try:
         engine.start()
     except DGemmaError as e:
@@ -267,10 +270,6 @@ def main(args: argparse.Namespace) -> int:
         # thread can abort it ("terminate called without an active exception"), see below
         print(f"mlx-dgemma serve: error: {e}", file=sys.stderr, flush=True)
         os._exit(e.exit_code)
-    app = create_app(engine, settings)
-    # keep-alive 30 s: clients that reuse a connection between turns rarely find it closed
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10,
-                            timeout_keep_alive=30, http=guarded_protocol(args.max_connections, args.header_timeout))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -278,7 +277,18 @@ def main(args: argparse.Namespace) -> int:
                 engine.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    server = Server(config)
+    try:
+        with hold_interrupts():  # until uvicorn takes the signals over in server.run
+            app = create_app(engine, settings)
+            # keep-alive 30 s: clients that reuse a connection between turns rarely find it closed
+            config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10,
+                                    timeout_keep_alive=30,
+                                    http=guarded_protocol(args.max_connections, args.header_timeout))
+            config.load()  # its imports (protocols, loop) here, not in server.run before the signals are taken
+            server = Server(config)
+    except KeyboardInterrupt:
+        engine.stop()
+        raise
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     warning = host_warning(args.host, args.api_key)
