@@ -533,7 +533,7 @@ async def test_each_engine_state_is_shown(state):
         s.query_one("#status").update("before")
         s.query_one("#prompt").placeholder = "before"
         s.post_message(EngineStatus(state, "DETAIL"))
-        await wait_for(pilot, lambda: STATUS_SHOWN[state](app), timeout=5)
+        await wait_for(pilot, lambda: STATUS_SHOWN[state](app))
 
 
 # --------------------------------------------------------------------------- errors by class
@@ -886,7 +886,7 @@ async def test_ctrl_q_during_the_load_stops_it_between_pieces():
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: backend.pieces >= 3)
         await pilot.press("ctrl+q")
-        await wait_for(pilot, lambda: not app.is_running, timeout=5)
+        await wait_for(pilot, lambda: not app.is_running)
     assert not app.engine_running() and backend.pieces < 500 and not backend.loaded
     assert app.return_code == 0 and app.load_error is None  # a stop, not a failed load
 
