@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,14 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] }}<turn|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
+
+
+def pytest_configure(config):
+    """Ctrl+C as a terminal delivers it, however the suite was started: a shell starts a
+    background job (`cmd &`, a CI runner's) with SIGINT ignored, and children inherit that, so
+    the tests that interrupt a command would find it deaf (the server ran on; a hang)."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
