@@ -906,3 +906,27 @@ async def test_ctrl_q_during_the_load_does_not_speak_of_a_step():
             await quitting.wait()
     finally:
         backend.release.set()
+
+
+def test_the_last_step_of_a_block_shows_the_committed_tokens():
+    """A block commits its stopping step's argmax (the draft), not that step's sampled canvas;
+    the canvas's last frame must show the answer the chat log then prints (the demo showed
+    "the" in a cell whose committed word was "grace")."""
+    import numpy as np
+
+    from mlx_dgemma.events import StepEvent
+
+    words = ["the", "grace", "sky", "blue"]
+    view = CanvasView(piece=lambda i: words[i])
+
+    def frame(step: int, stopped: bool) -> list[str]:
+        ev = StepEvent(block=1, step=step, max_steps=8, canvas=np.array([2, 0, 3], np.int32),
+                       draft=np.array([2, 1, 3], np.int32), accepted=np.ones(3, bool),
+                       entropy=np.zeros(3, np.float32), mean_entropy=0.0, temperature=0.1, seconds=0.1,
+                       stopped=stopped)
+        view.show(ev, np.zeros(3, bool))
+        return view.render().plain.split()
+
+    assert frame(3, stopped=False) == ["sky", "the", "blue"]  # mid-block: the sampled canvas
+    assert frame(5, stopped=True) == ["sky", "grace", "blue"]  # the stopping rule fired: committed
+    assert frame(8, stopped=False) == ["sky", "grace", "blue"]  # the step cap: committed too
