@@ -930,3 +930,14 @@ def test_the_last_step_of_a_block_shows_the_committed_tokens():
     assert frame(3, stopped=False) == ["sky", "the", "blue"]  # mid-block: the sampled canvas
     assert frame(5, stopped=True) == ["sky", "grace", "blue"]  # the stopping rule fired: committed
     assert frame(8, stopped=False) == ["sky", "grace", "blue"]  # the step cap: committed too
+
+
+def test_chat_without_a_terminal_is_refused_in_one_line():
+    """Textual reads keys from stdin and draws on stderr: with stdin not a terminal (a script,
+    cron, `< /dev/null`) the app used to start anyway, draw escape codes and wait forever."""
+    r = subprocess.run([sys.executable, "-m", "mlx_dgemma", "chat", "--demo"], stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=60)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, (r.returncode, r.stderr[-500:])
+    assert err[0].startswith("mlx-dgemma chat: error: ") and "terminal" in err[0] and "generate" in err[0]
+    assert "\x1b[" not in r.stdout + r.stderr  # nothing drawn
