@@ -570,7 +570,9 @@ it right?), bench."""
 EPILOG = """\
 first time? the built-in demo (a tiny model trained on the KJV Bible) shows text denoising:
   mlx-dgemma chat --demo
-then a real model (README: Using a real model):
+then a real model (README: Using a real model; hf comes with pip install -U "huggingface_hub[cli]"):
+  hf download unsloth/diffusiongemma-26B-A4B-it-GGUF \\
+      diffusiongemma-26B-A4B-it-Q4_K_M.gguf --local-dir .
   mlx-dgemma convert diffusiongemma-26B-A4B-it-Q4_K_M.gguf ~/models/dgemma
   mlx-dgemma chat --model ~/models/dgemma
 

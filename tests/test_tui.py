@@ -941,3 +941,19 @@ def test_chat_without_a_terminal_is_refused_in_one_line():
     assert r.returncode == 2 and len(err) == 1, (r.returncode, r.stderr[-500:])
     assert err[0].startswith("mlx-dgemma chat: error: ") and "terminal" in err[0] and "generate" in err[0]
     assert "\x1b[" not in r.stdout + r.stderr  # nothing drawn
+
+
+def test_the_welcome_screen_and_the_help_say_where_to_download_the_model():
+    """A new user with no model saw the file's name and size but not where to get it: the
+    welcome screen and `mlx-dgemma --help` give README's download command."""
+    import re
+    from pathlib import Path
+
+    from mlx_dgemma.cli import build_parser
+    from mlx_dgemma.tui.screens.welcome import WELCOME
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    download = re.search(r"`(hf download [^`]+)`", readme).group(1)
+    help_text = build_parser([]).format_help()
+    for shown in (WELCOME, help_text):
+        assert download in re.sub(r"\s*\\\n\s*", " ", shown), shown
