@@ -957,3 +957,25 @@ def test_the_welcome_screen_and_the_help_say_where_to_download_the_model():
     help_text = build_parser([]).format_help()
     for shown in (WELCOME, help_text):
         assert download in re.sub(r"\s*\\\n\s*", " ", shown), shown
+
+
+async def test_the_prompt_placeholders_fit_an_80_column_terminal():
+    """At 80x24 the placeholder during an answer read "Answering… (Escape to": the key that
+    cancels was cut off."""
+    from rich.cells import cell_len
+
+    backend = ScriptedBackend(steps=200, blocks=1, delay=0.02)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        prompt = screen(app).query_one("#prompt")
+        shown = [prompt.placeholder]
+        await send(pilot, "long")
+        await wait_for(pilot, lambda: screen(app).busy)
+        await pilot.pause()
+        shown.append(prompt.placeholder)
+        assert len(set(shown)) == 2  # ready, then busy
+        for text in shown:
+            assert cell_len(text) <= prompt.content_size.width, (text, prompt.content_size.width)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: done(app))

@@ -32,7 +32,7 @@ from ..widgets.status import StatusLine, finish_words
 # whatever the arrival pattern (a fast model on a GPU, or a burst after a slow redraw).
 REFRESH_HZ = 15
 PLACEHOLDERS = {"loading": "Loading the model…",
-                "ready": "Message (Enter to send)", "busy": "Answering… (Escape to cancel)"}
+                "ready": "Message (Enter to send)", "busy": "Answering… (Esc cancels)"}  # 26 columns at 80x24
 
 
 class ChatScreen(Screen):
