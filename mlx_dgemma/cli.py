@@ -263,6 +263,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     overrides = sampler_overrides(args)
     prompt, prompt_flag = read_prompt(args)
     check_text(prompt, prompt_flag)
+    if not prompt.strip():  # stream_generate refuses it too, but only after the model has loaded
+        from .errors import ParameterError
+
+        raise ParameterError(f"{prompt_flag}: the prompt is empty; give some text")
     if args.trace:
         check_trace_path(args.trace, "--trace")
     model_path = resolve_model(args.model, args.demo)  # --model, else $MLX_DGEMMA_MODEL; checked
