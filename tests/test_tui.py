@@ -979,3 +979,26 @@ async def test_the_prompt_placeholders_fit_an_80_column_terminal():
             assert cell_len(text) <= prompt.content_size.width, (text, prompt.content_size.width)
         await pilot.press("escape")
         await wait_for(pilot, lambda: done(app))
+
+
+async def test_a_refused_message_goes_back_to_the_prompt():
+    """A message the model refuses (too long for the context: "shorten the prompt") was lost:
+    the prompt had been cleared, so the user had to paste it again to shorten it."""
+    from mlx_dgemma.errors import ParameterError
+
+    class Refusing(ScriptedBackend):
+        def stream(self, prompt, cancel, think=False, **params):
+            self.prompts.append((prompt, params))
+            raise ParameterError("prompt: 10016 tokens plus 4 block(s) of 64 exceed the context of 4096; "
+                                 "shorten the prompt")
+            yield  # a generator, as the real one
+
+    backend = Refusing()
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        await send(pilot, "a long message")
+        await wait_for(pilot, lambda: backend.prompts and not screen(app).busy
+                       and "shorten the prompt" in str(screen(app).query_one("#status").render()))
+        await pilot.pause()
+        assert screen(app).query_one("#prompt").value == "a long message"
