@@ -263,6 +263,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     overrides = sampler_overrides(args)
     prompt, prompt_flag = read_prompt(args)
     check_text(prompt, prompt_flag)
+    if not prompt.strip():  # stream_generate refuses it too, but only after the model has loaded
+        from .errors import ParameterError
+
+        raise ParameterError(f"{prompt_flag}: the prompt is empty; give some text")
     if args.trace:
         check_trace_path(args.trace, "--trace")
     model_path = resolve_model(args.model, args.demo)  # --model, else $MLX_DGEMMA_MODEL; checked
@@ -570,7 +574,9 @@ it right?), bench."""
 EPILOG = """\
 first time? the built-in demo (a tiny model trained on the KJV Bible) shows text denoising:
   mlx-dgemma chat --demo
-then a real model (README: Using a real model):
+then a real model (README: Using a real model; hf comes with pip install -U "huggingface_hub[cli]"):
+  hf download unsloth/diffusiongemma-26B-A4B-it-GGUF \\
+      diffusiongemma-26B-A4B-it-Q4_K_M.gguf --local-dir .
   mlx-dgemma convert diffusiongemma-26B-A4B-it-Q4_K_M.gguf ~/models/dgemma
   mlx-dgemma chat --model ~/models/dgemma
 

@@ -104,3 +104,16 @@ def test_every_front_end_refuses_two_models_with_the_same_line(command, no_loadi
     assert main([command[0], "--demo", "--model", "/nope", *command[1:]]) == 2
     assert capsys.readouterr().err == (f"mlx-dgemma {command[0]}: error: --demo and --model /nope: give one of "
                                        "them (--demo runs the built-in demo model; --model runs yours)\n")
+
+
+@pytest.mark.parametrize("source", ["text", "file"])
+def test_an_empty_prompt_is_refused_before_the_model_loads(source, no_loading, tmp_path, capsys):
+    # it was refused only by stream_generate, after loading (seconds for the demo, minutes for
+    # the real model) and after the demo's notice
+    from mlx_dgemma.cli import main
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text(" \n")
+    flag = ["--prompt", "  "] if source == "text" else ["--prompt-file", str(empty)]
+    assert main(["generate", "--demo", *flag]) == 2
+    assert capsys.readouterr().err == f"mlx-dgemma generate: error: {flag[0]}: the prompt is empty; give some text\n"

@@ -906,3 +906,99 @@ async def test_ctrl_q_during_the_load_does_not_speak_of_a_step():
             await quitting.wait()
     finally:
         backend.release.set()
+
+
+def test_the_last_step_of_a_block_shows_the_committed_tokens():
+    """A block commits its stopping step's argmax (the draft), not that step's sampled canvas;
+    the canvas's last frame must show the answer the chat log then prints (the demo showed
+    "the" in a cell whose committed word was "grace")."""
+    import numpy as np
+
+    from mlx_dgemma.events import StepEvent
+
+    words = ["the", "grace", "sky", "blue"]
+    view = CanvasView(piece=lambda i: words[i])
+
+    def frame(step: int, stopped: bool) -> list[str]:
+        ev = StepEvent(block=1, step=step, max_steps=8, canvas=np.array([2, 0, 3], np.int32),
+                       draft=np.array([2, 1, 3], np.int32), accepted=np.ones(3, bool),
+                       entropy=np.zeros(3, np.float32), mean_entropy=0.0, temperature=0.1, seconds=0.1,
+                       stopped=stopped)
+        view.show(ev, np.zeros(3, bool))
+        return view.render().plain.split()
+
+    assert frame(3, stopped=False) == ["sky", "the", "blue"]  # mid-block: the sampled canvas
+    assert frame(5, stopped=True) == ["sky", "grace", "blue"]  # the stopping rule fired: committed
+    assert frame(8, stopped=False) == ["sky", "grace", "blue"]  # the step cap: committed too
+
+
+def test_chat_without_a_terminal_is_refused_in_one_line():
+    """Textual reads keys from stdin and draws on stderr: with stdin not a terminal (a script,
+    cron, `< /dev/null`) the app used to start anyway, draw escape codes and wait forever."""
+    r = subprocess.run([sys.executable, "-m", "mlx_dgemma", "chat", "--demo"], stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=60)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, (r.returncode, r.stderr[-500:])
+    assert err[0].startswith("mlx-dgemma chat: error: ") and "terminal" in err[0] and "generate" in err[0]
+    assert "\x1b[" not in r.stdout + r.stderr  # nothing drawn
+
+
+def test_the_welcome_screen_and_the_help_say_where_to_download_the_model():
+    """A new user with no model saw the file's name and size but not where to get it: the
+    welcome screen and `mlx-dgemma --help` give README's download command."""
+    import re
+    from pathlib import Path
+
+    from mlx_dgemma.cli import build_parser
+    from mlx_dgemma.tui.screens.welcome import WELCOME
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    download = re.search(r"`(hf download [^`]+)`", readme).group(1)
+    help_text = build_parser([]).format_help()
+    for shown in (WELCOME, help_text):
+        assert download in re.sub(r"\s*\\\n\s*", " ", shown), shown
+
+
+async def test_the_prompt_placeholders_fit_an_80_column_terminal():
+    """At 80x24 the placeholder during an answer read "Answering… (Escape to": the key that
+    cancels was cut off."""
+    from rich.cells import cell_len
+
+    backend = ScriptedBackend(steps=200, blocks=1, delay=0.02)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        prompt = screen(app).query_one("#prompt")
+        shown = [prompt.placeholder]
+        await send(pilot, "long")
+        await wait_for(pilot, lambda: screen(app).busy)
+        await pilot.pause()
+        shown.append(prompt.placeholder)
+        assert len(set(shown)) == 2  # ready, then busy
+        for text in shown:
+            assert cell_len(text) <= prompt.content_size.width, (text, prompt.content_size.width)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: done(app))
+
+
+async def test_a_refused_message_goes_back_to_the_prompt():
+    """A message the model refuses (too long for the context: "shorten the prompt") was lost:
+    the prompt had been cleared, so the user had to paste it again to shorten it."""
+    from mlx_dgemma.errors import ParameterError
+
+    class Refusing(ScriptedBackend):
+        def stream(self, prompt, cancel, think=False, **params):
+            self.prompts.append((prompt, params))
+            raise ParameterError("prompt: 10016 tokens plus 4 block(s) of 64 exceed the context of 4096; "
+                                 "shorten the prompt")
+            yield  # a generator, as the real one
+
+    backend = Refusing()
+    app = DGemmaApp(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        await send(pilot, "a long message")
+        await wait_for(pilot, lambda: backend.prompts and not screen(app).busy
+                       and "shorten the prompt" in str(screen(app).query_one("#status").render()))
+        await pilot.pause()
+        assert screen(app).query_one("#prompt").value == "a long message"

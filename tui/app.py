@@ -140,6 +140,22 @@ def configured_model() -> str | None:
     return str(user_path(value)) if value else None
 
 
+def _need_terminal() -> None:
+    """Refuse, in one line, to start without a terminal: Textual reads the keys from stdin and
+    draws on stderr, so with either redirected (a script, cron, ``< /dev/null``) the app drew
+    escape codes into a file and waited for keys that never came. Under ``mlx.launch`` rank 0's
+    keys arrive through the launcher's pipe (``launch.rank_terminal`` checks that terminal)."""
+    from mlx_dgemma.errors import ParameterError
+    from mlx_dgemma.launch import launched
+
+    if launched():
+        return
+    for name, stream in (("standard input", sys.__stdin__), ("standard error", sys.__stderr__)):
+        if stream is None or not stream.isatty():
+            raise ParameterError(f"the chat app needs a terminal and {name} is not one; run it in a terminal, "
+                                 "or from a script use `mlx-dgemma generate --prompt TEXT` (or `serve`)")
+
+
 def run_app(model: str | None = None, demo: bool = False, dtype: str | None = None,
             precision: str = "auto", think: bool = False, system: str | None = None) -> int:
     """Run the chat app; the exit status is non-zero if the user quits with no model loaded.
@@ -154,6 +170,7 @@ def run_app(model: str | None = None, demo: bool = False, dtype: str | None = No
         source = " (from MLX_DGEMMA_MODEL)" if from_env else ""
         raise ModelFilesError(f"{model}{source}: no such file or directory; give a .gguf file or a directory "
                               "written by `mlx-dgemma convert`")
+    _need_terminal()
     app = DGemmaApp(backend)
     try:
         app.run()

@@ -32,7 +32,7 @@ from ..widgets.status import StatusLine, finish_words
 # whatever the arrival pattern (a fast model on a GPU, or a burst after a slow redraw).
 REFRESH_HZ = 15
 PLACEHOLDERS = {"loading": "Loading the model…",
-                "ready": "Message (Enter to send)", "busy": "Answering… (Escape to cancel)"}
+                "ready": "Message (Enter to send)", "busy": "Answering… (Esc cancels)"}  # 26 columns at 80x24
 
 
 class ChatScreen(Screen):
@@ -62,6 +62,7 @@ class ChatScreen(Screen):
         self.think = False  # the thought channel, per answer (--think, Ctrl+O)
         self.system: str | None = None  # the system prompt of the next new chat (--system, Ctrl+O)
         self.turn = 0  # user messages in this chat
+        self._sent = ""  # the last message sent
         self._pending: StepEvent | None = None
         self._prefill_tps: float | None = None
         self._step_seconds: list[float] = []
@@ -125,6 +126,10 @@ class ChatScreen(Screen):
     @on(EngineError)
     def _on_error(self, m: EngineError) -> None:
         self.busy = False
+        prompt = self.query_one("#prompt", Input)
+        if m.answer_id == self.answer_id and self._sent and not prompt.value:
+            # the message failed (too long for the context, say): give it back to edit and resend
+            prompt.value = self._sent
         self.query_one(ChatLog).add_notice(f"error: {m.message}", error=True)
         self.query_one(StatusLine).update(f"error: {m.message}")
 
@@ -201,6 +206,7 @@ class ChatScreen(Screen):
             self.app.notify("Still answering; press Escape to cancel first.", severity="warning")
             return
         m.input.value = ""
+        self._sent = text  # back into the prompt if the answer fails (_on_error)
         self.answer_id += 1
         self.turn += 1
         self._forget_answer(Trace(header=self._trace_header(text)))

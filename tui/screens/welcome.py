@@ -12,10 +12,12 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, Markdown, Static
 
 WELCOME = """\
-DiffusionGemma is published as a GGUF file, `diffusiongemma-26B-A4B-it-Q4_K_M.gguf`
-(16.8 GB). Convert it once, losslessly, then chat with it:
+DiffusionGemma is published on Hugging Face as a GGUF file (16.8 GB). Download it,
+convert it once (losslessly) and chat with it:
 
 ```
+hf download unsloth/diffusiongemma-26B-A4B-it-GGUF \\
+    diffusiongemma-26B-A4B-it-Q4_K_M.gguf --local-dir .
 mlx-dgemma convert diffusiongemma-26B-A4B-it-Q4_K_M.gguf \\
     ~/models/dgemma
 mlx-dgemma chat --model ~/models/dgemma

@@ -103,10 +103,13 @@ class CanvasView(Widget):
         width = self.size.width or 80
         cell = cell_width(width, self.size.height or 1, ev.canvas.size)
         cols = max(1, width // cell)
+        # A block commits the argmax canvas of its last step (the stopping rule or the step cap),
+        # not that step's sampled draws: show what the answer will hold.
+        last = ev.stopped or ev.step == ev.max_steps
         out = Text()
         for i in range(ev.canvas.size):
             acc = bool(ev.accepted[i])
-            tok = int(ev.canvas[i] if acc else ev.draft[i])
+            tok = int(ev.canvas[i] if acc and not last else ev.draft[i])
             piece = printable(self.piece(tok).replace("\n", "⏎").replace("\t", "⇥"))
             piece = (piece[: cell - 2] + "…") if len(piece) > cell - 1 else piece
             if acc and self.earlier is not None and self.earlier[i]:
