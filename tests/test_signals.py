@@ -100,3 +100,46 @@ def test_sigterm_while_the_parser_is_built_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 128 + signal.SIGTERM, (r.returncode, r.stderr)
     assert r.stderr.splitlines() == ["mlx-dgemma: interrupted; nothing partial was kept"], r.stderr
+
+
+def test_kill_int_ends_chat_with_the_one_line(tmp_path):
+    """``kill -INT`` to a running chat app ended it with status 0 and no word (asyncio.run turned
+    SIGINT into a cancellation that Textual took for a normal exit); now as SIGTERM: the one line,
+    130. Run on a pseudo-terminal; every wait is bounded (the outcome does not depend on timing:
+    the signal is sent once the app is idle and ready)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_dgemma", "chat", "--demo"], stdin=secondary,
+                            stdout=secondary, stderr=secondary, close_fds=True, cwd=tmp_path,
+                            env={**os.environ, "MLX_DGEMMA_CACHE": str(tmp_path / "cache"), "TERM": "xterm-256color"})
+    os.close(secondary)
+    out = b""
+
+    def read_until(pred, seconds: float) -> bool:
+        nonlocal out
+        deadline = time.monotonic() + seconds
+        while not pred() and time.monotonic() < deadline:
+            if select.select([primary], [], [], 0.2)[0]:
+                try:
+                    out += os.read(primary, 65536)
+                except OSError:  # the app exited and closed the terminal
+                    return pred()
+        return pred()
+
+    try:
+        assert read_until(lambda: b"ready: demo model" in out, 120), out[-2000:]
+        proc.send_signal(signal.SIGINT)
+        read_until(lambda: proc.poll() is not None, 60)
+        code = proc.wait(5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(primary)
+    assert code == 130 and b"mlx-dgemma chat: interrupted; nothing partial was kept" in out, (code, out[-500:])
+    assert b"Traceback" not in out
