@@ -47,7 +47,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _run_verify(out_dir: str, gguf: str) -> int:
-    from mlx_dgemma.convert.verify import verify
+    with hold_interrupts():  # MLX's, numpy's and gguf's imports (see hold_interrupts)
+        from mlx_dgemma.convert.verify import verify
 
     from .progress import ProgressBar
 
@@ -256,8 +257,10 @@ class StepLine:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .paths import resolve_model
-    from .tokenizer import check_text
     from .trace import check_trace_path
+
+    with hold_interrupts():  # the tokenizers package: a Rust (pyo3) init, as pydantic-core's
+        from .tokenizer import check_text
 
     # every argument first, with the standard library only: a mistake answers at once
     overrides = sampler_overrides(args)
@@ -468,8 +471,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from .loader import plan_model
-    from .plan import parse_size
+    with hold_interrupts():  # MLX and mlx-lm (transformers, torch): native inits that lose or abort on Ctrl+C
+        from .loader import plan_model
+        from .plan import parse_size
 
     if args.context is not None and not (isinstance(args.context, int) and 1 <= args.context <= 1 << 22):
         from .errors import ParameterError
@@ -643,16 +647,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args: argparse.Namespace | None = None
     try:
-        with hold_interrupts():  # building the parser imports the options of bench or serve
-            parser = build_parser(argv)
-        if not [a for a in argv if a != "--debug"]:  # bare `mlx-dgemma`: the help, "first time?" included
-            parser.print_help(sys.stderr)
-            return 2  # a usage error, as any missing argument is
-        args = parser.parse_args(argv)
-        from .launch import quiet_other_ranks
+        with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C (from the first moment)
+            with hold_interrupts():  # building the parser imports the options of bench or serve
+                parser = build_parser(argv)
+            if not [a for a in argv if a != "--debug"]:  # bare `mlx-dgemma`: the help, "first time?" included
+                parser.print_help(sys.stderr)
+                return 2  # a usage error, as any missing argument is
+            args = parser.parse_args(argv)
+            from .launch import quiet_other_ranks
 
-        quiet_other_ranks()  # under mlx.launch rank 0 alone prints
-        with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C
+            quiet_other_ranks()  # under mlx.launch rank 0 alone prints
             code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at the interpreter's exit
         return code

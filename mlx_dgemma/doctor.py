@@ -32,7 +32,7 @@ from typing import Any, TextIO
 import mlx.core as mx
 import numpy as np
 
-from .errors import ModelFilesError, ParameterError
+from .errors import ModelFilesError, ParameterError, hold_interrupts
 
 # --------------------------------------------------------------------------------------------
 # thresholds
@@ -616,7 +616,9 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
     path = None
     if model_path is not None:
         path = check_model_path(model_path, "--model")  # a FIFO, a device or a link loop named as such
-    with prog.phase("device, memory" + (", which precision fits" if path is not None else "")):
+    # held: usable_memory imports mlx-lm (transformers, torch), whose native inits lost or aborted on
+    # Ctrl+C; the rest reads a header at most
+    with prog.phase("device, memory" + (", which precision fits" if path is not None else "")), hold_interrupts():
         dev = device_info()
         mem = usable_memory()
         report = Report(dev, mem, kernel_cache(), None)

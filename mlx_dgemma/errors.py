@@ -40,28 +40,42 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated(signum)
+
+
+def _terminating() -> list[int]:
+    return [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
+
+
 @contextmanager
 def hold_interrupts() -> Iterator[None]:
-    """Hold Ctrl+C until the block is done, then raise KeyboardInterrupt (main thread only).
+    """Hold Ctrl+C (and SIGTERM/SIGHUP under :func:`terminate_as_interrupt`) until the block is
+    done, then raise KeyboardInterrupt (:class:`Terminated` for those) (main thread only).
 
     For blocks that import third-party modules or build objects in native code, where an
     interrupt does not reliably arrive as KeyboardInterrupt: pydantic-core's Rust init turned
     it into ``PanicException`` (a traceback); an optional import wrapped in ``except ImportError``,
     mlx.core's native init and importlib's module-lock callback each swallowed it (the server
-    then started anyway), and once it aborted the process. Keep such blocks short: nothing
-    inside them can be interrupted."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield  # not ours to change (a test runner, an embedding app, SIGINT ignored, an outer hold)
+    then started anyway), and torch's native init (imported by mlx-lm through transformers)
+    aborted the process. Keep such blocks short: nothing inside them can be interrupted."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
+    # only the handlers that raise (not ours to change otherwise: a test runner, an embedding
+    # app, a signal ignored, an outer hold)
+    ours = {s: h for s, h in [(signal.SIGINT, signal.default_int_handler)] +
+            [(s, _raise_terminated) for s in _terminating()] if signal.getsignal(s) is h}
     held: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    for s in ours:
+        signal.signal(s, lambda signum, frame: held.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s, h in ours.items():
+            signal.signal(s, h)
     if held:
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt if held[0] == signal.SIGINT else Terminated(held[0])
 
 
 @contextmanager
@@ -71,12 +85,7 @@ def terminate_as_interrupt() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def handler(signum, frame):
-        raise Terminated(signum)
-
-    sigs = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
-    old = {s: signal.signal(s, handler) for s in sigs}
+    old = {s: signal.signal(s, _raise_terminated) for s in _terminating()}
     try:
         yield
     finally:

@@ -6,6 +6,8 @@ import asyncio
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from textual.app import App
@@ -156,6 +158,29 @@ def _need_terminal() -> None:
                                  "or from a script use `mlx-dgemma generate --prompt TEXT` (or `serve`)")
 
 
+@contextmanager
+def _sigint_raises() -> Iterator[None]:
+    """``kill -INT`` ends the app as SIGTERM does: KeyboardInterrupt, then the CLI's one line and
+    status 130. Left to asyncio.run (Textual's ``app.run``), SIGINT became a cancellation that
+    Textual took for a normal exit: status 0 and no word. (Ctrl+C typed in the app is a key.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # not ours to change (a test runner, an embedding app)
+        return
+
+    def interrupt(signum, frame):  # not default_int_handler itself: asyncio.run would take that over
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run_app(model: str | None = None, demo: bool = False, dtype: str | None = None,
             precision: str = "auto", think: bool = False, system: str | None = None) -> int:
     """Run the chat app; the exit status is non-zero if the user quits with no model loaded.
@@ -173,7 +198,8 @@ def run_app(model: str | None = None, demo: bool = False, dtype: str | None = No
     _need_terminal()
     app = DGemmaApp(backend)
     try:
-        app.run()
+        with _sigint_raises():
+            app.run()
     finally:
         app.stop_engine()  # however the app ended (Ctrl+Q has waited already: not twice as long)
         stopped = app.join_engine(1.0 if app.stopping else QUIT_WAIT_S)

@@ -1,0 +1,145 @@
+"""Ctrl+C and SIGTERM while a command imports native code: held until the import is done.
+
+A signal that lands inside mlx.core's nanobind init was swallowed (the command ran to its end),
+inside torch's (imported by mlx-lm through transformers) it aborted the process (status -6), and
+a SIGTERM before the parser was built killed the process without the one line. These tests are
+deterministic: they check where the imports happen, or send the signal from inside the code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mlx_dgemma.errors import Terminated, hold_interrupts, terminate_as_interrupt
+
+# extension modules whose native init mishandled a signal (see above; tokenizers is pyo3 like
+# pydantic-core, whose init turned Ctrl+C into a PanicException)
+NATIVE = ("mlx", "torch", "tokenizers", "pydantic_core", "numpy")
+
+# Run the CLI with an import hook that records each of NATIVE's extension modules imported by the
+# main thread while SIGINT or SIGTERM would raise there (not held), with the import's frames of ours.
+SPY = textwrap.dedent("""
+    import importlib.machinery as m, json, os, signal, sys, threading, traceback
+
+    found = []
+
+    class Spy:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name.split(".")[0] not in {native} or threading.current_thread() is not threading.main_thread():
+                return None
+            term = getattr(signal.getsignal(signal.SIGTERM), "__qualname__", "")  # errors.terminate_as_interrupt's
+            if signal.getsignal(signal.SIGINT) is not signal.default_int_handler and \\
+                    not term.startswith(("_raise_terminated", "terminate_as_interrupt")):
+                return None
+            spec = m.PathFinder.find_spec(name, path, target)
+            if spec is not None and isinstance(spec.loader, m.ExtensionFileLoader):
+                found.append([name] + [f"{{os.path.basename(f.filename)}}:{{f.lineno}}"
+                                       for f in traceback.extract_stack() if "mlx_dgemma" in f.filename][-4:])
+            return None
+
+    sys.meta_path.insert(0, Spy)
+    from mlx_dgemma.cli import main
+    code = main(sys.argv[1:])
+    print(json.dumps(found))
+    sys.exit(code)
+""").format(native=set(NATIVE))
+
+
+def _unheld_native_imports(argv: list[str], tmp_path) -> list[list[str]]:
+    r = subprocess.run([sys.executable, "-c", SPY, *argv], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path, env={**os.environ, "MLX_DGEMMA_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("command", ["plan", "verify", "generate"])
+def test_native_imports_happen_with_signals_held(command, tmp_path, tiny_gguf, tiny_model_dir):
+    """plan and verify imported MLX (and plan, through mlx-lm, torch) with Ctrl+C live: an interrupt
+    landing there ran the command to its end or aborted it; generate imported tokenizers so."""
+    argv = {"plan": ["plan", str(tiny_model_dir)],
+            "verify": ["verify", str(tiny_model_dir), str(tiny_gguf)],
+            "generate": ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4",
+                         "--steps", "1"]}[command]
+    assert _unheld_native_imports(argv, tmp_path) == []
+
+
+def test_hold_interrupts_holds_sigterm_too():
+    """SIGTERM (under terminate_as_interrupt) is held like Ctrl+C, then raised as Terminated."""
+    reached = False
+    with pytest.raises(Terminated) as e:
+        with terminate_as_interrupt(), hold_interrupts():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)  # the handler runs here: held, not raised
+            reached = True
+    assert reached and e.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is not None  # restored (to what it was before)
+
+
+def test_sigterm_while_the_parser_is_built_is_one_line(tmp_path):
+    """SIGTERM as the parser is built (it imports bench's or serve's options) killed the process
+    without a word: now it is the one line and status 143, as later."""
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        from mlx_dgemma import cli
+        real = cli.build_parser
+        def build_parser(argv):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            return real(argv)
+        cli.build_parser = build_parser
+        sys.exit(cli.main(["plan", "/nonexistent/model"]))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 128 + signal.SIGTERM, (r.returncode, r.stderr)
+    assert r.stderr.splitlines() == ["mlx-dgemma: interrupted; nothing partial was kept"], r.stderr
+
+
+def test_kill_int_ends_chat_with_the_one_line(tmp_path):
+    """``kill -INT`` to a running chat app ended it with status 0 and no word (asyncio.run turned
+    SIGINT into a cancellation that Textual took for a normal exit); now as SIGTERM: the one line,
+    130. Run on a pseudo-terminal; every wait is bounded (the outcome does not depend on timing:
+    the signal is sent once the app is idle and ready)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_dgemma", "chat", "--demo"], stdin=secondary,
+                            stdout=secondary, stderr=secondary, close_fds=True, cwd=tmp_path,
+                            env={**os.environ, "MLX_DGEMMA_CACHE": str(tmp_path / "cache"), "TERM": "xterm-256color"})
+    os.close(secondary)
+    out = b""
+
+    def read_until(pred, seconds: float) -> bool:
+        nonlocal out
+        deadline = time.monotonic() + seconds
+        while not pred() and time.monotonic() < deadline:
+            if select.select([primary], [], [], 0.2)[0]:
+                try:
+                    out += os.read(primary, 65536)
+                except OSError:  # the app exited and closed the terminal
+                    return pred()
+        return pred()
+
+    try:
+        assert read_until(lambda: b"ready: demo model" in out, 120), out[-2000:]
+        proc.send_signal(signal.SIGINT)
+        read_until(lambda: proc.poll() is not None, 60)
+        code = proc.wait(5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(primary)
+    assert code == 130 and b"mlx-dgemma chat: interrupted; nothing partial was kept" in out, (code, out[-500:])
+    assert b"Traceback" not in out
