@@ -491,7 +491,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         plan = max((plan_model(args.model, limit, args.context, ranks=args.ranks, rank=r) for r in range(args.ranks)),
                    key=lambda p: p.row("exact").needed_bytes)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else "\n".join(plan.table()))
-    return 0
+    return 0 if plan.best_fit() else 1  # a script can ask "does it fit?" (1: nothing does)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -623,7 +623,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="memory each precision needs for a model, and whether it fits",
                         description="For every precision: the bytes the weights, the KV cache and a step's working "
                                     "memory need, and whether that fits this machine (or --memory-limit). "
-                                    "Reads no weights.")
+                                    "Reads no weights. Exit status 0 when a precision fits, 1 when none does.")
     pl.add_argument("model", help="converted directory or .gguf file")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("--memory-limit", metavar="SIZE", help="compare with SIZE (e.g. 14GB) instead of this machine")

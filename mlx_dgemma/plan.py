@@ -129,12 +129,18 @@ class Plan:
         lines = [f"{self.model} (stored: {self.stored}); budget {gb(self.available_bytes)} ({self.budget}); "
                  f"KV cache for {self.context_tokens} tokens{share}",
                  f"  {'precision':<10}{'weights':>10}{'KV cache':>10}{'working':>10}{'needed':>10}  fits"]
+        # one unit for the whole table ("0.10 GB" above "99 MB" read as a smaller number)
+        big = max((r.needed_bytes for r in self.rows), default=0) >= 1e9
+
+        def size(n: int) -> str:
+            return f"{n / 1e9:.2f} GB" if big else f"{n / 1e6:.0f} MB"
+
         for r in self.rows:
             fits = ("yes" if r.loadable and r.fits else "no" if r.loadable
                     else f"-- (its groups do not split over {self.ranks} ranks)" if r.split_refused
                     else "-- (stored form is lossier)")
-            lines.append(f"  {r.precision:<10}{gb(r.weights_bytes):>10}{gb(r.kv_bytes):>10}{gb(r.working_bytes):>10}"
-                         f"{gb(r.needed_bytes):>10}  {fits}")
+            lines.append(f"  {r.precision:<10}{size(r.weights_bytes):>10}{size(r.kv_bytes):>10}"
+                         f"{size(r.working_bytes):>10}{size(r.needed_bytes):>10}  {fits}")
         best = self.best_fit()
         lines.append(f"  auto loads: {best}" if best else "  auto: nothing fits; see README, Runtime precision (which Mac)")
         return lines

@@ -226,6 +226,19 @@ def test_compact_report_says_exact_instead_of_max_error_zero(tmp_path, capsys):
 # -- the memory plan -----------------------------------------------------------------------------
 
 
+def test_plan_says_nothing_fits_with_exit_1_and_one_unit(tiny_gguf, capsys):
+    """`plan` exited 0 when nothing fit (a script could not ask), and its table mixed units
+    ("0.10 GB" above "99 MB")."""
+    assert main(["plan", str(tiny_gguf), "--memory-limit", "1MB"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].strip().startswith("auto: nothing fits")
+    rows = [ln.split() for ln in lines[2:-1]]
+    units = {tok for row in rows for tok in row if tok in ("MB", "GB")}
+    assert len(rows) == len(TIERS) and len(units) == 1, lines
+    assert main(["plan", str(tiny_gguf), "--memory-limit", "1MB", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["auto"] is None
+
+
 def test_plan_lists_every_precision_and_auto_picks_the_most_exact_that_fits(tiny_gguf, capsys):
     assert main(["plan", str(tiny_gguf), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
