@@ -471,14 +471,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    with hold_interrupts():  # MLX and mlx-lm (transformers, torch): native inits that lose or abort on Ctrl+C
-        from .loader import plan_model
-        from .plan import parse_size
-
     if args.context is not None and not (isinstance(args.context, int) and 1 <= args.context <= 1 << 22):
         from .errors import ParameterError
 
         raise ParameterError(f"--context {args.context}: must be a number of tokens in [1, 4194304]")
+    if args.demo:
+        from .demo import demo_file
+        from .errors import ParameterError
+
+        if args.model:
+            raise ParameterError(f"--demo and {args.model}: give one of them (--demo plans the built-in demo model)")
+        args.model = str(demo_file("trained"))
+    elif not args.model:
+        from .errors import ParameterError
+        from .paths import configured_model
+
+        args.model = configured_model()
+        if not args.model:
+            raise ParameterError("MODEL: not given; pass a converted directory or a .gguf file, set "
+                                 "MLX_DGEMMA_MODEL to one, or give --demo for the built-in demo model")
+
+    with hold_interrupts():  # MLX and mlx-lm (transformers, torch): native inits that lose or abort on Ctrl+C
+        from .loader import plan_model
+        from .plan import parse_size
+
     limit = parse_size(args.memory_limit) if args.memory_limit else None
     if args.ranks is None:  # this process's share under mlx.launch, else the whole model
         plan = plan_model(args.model, limit, args.context)
@@ -624,7 +640,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         description="For every precision: the bytes the weights, the KV cache and a step's working "
                                     "memory need, and whether that fits this machine (or --memory-limit). "
                                     "Reads no weights. Exit status 0 when a precision fits, 1 when none does.")
-    pl.add_argument("model", help="converted directory or .gguf file")
+    pl.add_argument("model", nargs="?", help="converted directory or .gguf file (default: $MLX_DGEMMA_MODEL)")
+    pl.add_argument("--demo", action="store_true", help="plan the built-in demo model")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("--memory-limit", metavar="SIZE", help="compare with SIZE (e.g. 14GB) instead of this machine")
     pl.add_argument("--context", type=int, default=None, help="tokens to reserve KV cache for (default 4096)")

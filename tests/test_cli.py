@@ -269,6 +269,7 @@ def _run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProces
     (["serve", "--model", "/nonexistent/m.gguf"], None, 2),
     (["chat", "--model", "/nonexistent/m.gguf"], None, 2),
     (["convert", "/nonexistent/m.gguf", "/tmp/mlx-dgemma-never-written"], None, 2),
+    (["plan"], {"MLX_DGEMMA_MODEL": ""}, 2),
 ])
 def test_instant_start_imports_nothing_heavy(argv, env, code):
     r = _run(argv, env)

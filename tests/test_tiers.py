@@ -239,6 +239,24 @@ def test_plan_says_nothing_fits_with_exit_1_and_one_unit(tiny_gguf, capsys):
     assert json.loads(capsys.readouterr().out)["auto"] is None
 
 
+def test_plan_takes_the_demo_or_the_configured_model(monkeypatch, capsys):
+    """`plan --demo` was "unrecognized arguments" (generate, chat and serve take it); no model at
+    all is one line naming what to give."""
+    from mlx_dgemma.demo import demo_file
+
+    monkeypatch.delenv("MLX_DGEMMA_MODEL", raising=False)
+    assert main(["plan", "--demo"]) == 0
+    assert capsys.readouterr().out.startswith(str(demo_file("trained")))
+    assert main(["plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "MODEL: not given" in err[0] and "--demo" in err[0], err
+    assert main(["plan", "--demo", str(demo_file("trained"))]) == 2
+    assert "give one of them" in capsys.readouterr().err
+    monkeypatch.setenv("MLX_DGEMMA_MODEL", str(demo_file("trained")))
+    assert main(["plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == str(demo_file("trained"))
+
+
 def test_plan_lists_every_precision_and_auto_picks_the_most_exact_that_fits(tiny_gguf, capsys):
     assert main(["plan", str(tiny_gguf), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
