@@ -88,14 +88,16 @@ class ConvertReport:
 
     def error_line(self) -> str:
         """How far the lossy tensors are from exact: the worst relative RMS and max error, and
-        how many tensors stayed exact (their error is 0 by construction, not a measurement)."""
+        how many tensors stayed exact (their error is 0 by construction, not a measurement),
+        counted over all tensors as ``verify`` counts them."""
         lossy = {k: v for k, v in self.max_abs_error.items() if v > 0}
-        exact = len(self.max_abs_error) - len(lossy)
+        total = sum(s.tensors for s in self.by_type.values())
+        exact = total - len(lossy)
         if not lossy:
-            return f"all {exact} quantized tensors exact (nothing re-quantized)"
+            return f"all {total} tensors exact (nothing re-quantized)"
         worst_rel = max(lossy, key=lambda k: self.rel_rms_error.get(k, 0.0))
         worst_abs = max(lossy, key=lossy.get)
-        return (f"{len(lossy)} tensors lossy, {exact} exact; largest relative RMS error "
+        return (f"{len(lossy)} of {total} tensors lossy, {exact} exact; largest relative RMS error "
                 f"{self.rel_rms_error.get(worst_rel, 0.0):.3g} ({worst_rel}), largest max |{self.precision} - exact| "
                 f"{lossy[worst_abs]:.3g} ({worst_abs}); per-tensor errors in {REPORT_FILE}")
 

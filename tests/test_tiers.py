@@ -403,10 +403,14 @@ def test_verify_of_a_lossy_directory_prints_one_summary_line(tmp_path, all_types
 
     out = tmp_path / "q4"
     assert main(["convert", str(all_types_gguf), str(out), "--precision", "q4"]) == 0
-    capsys.readouterr()
+    converted = capsys.readouterr().out.splitlines()[-1]
     assert main(["verify", str(out), str(all_types_gguf)]) == 0
     lines = capsys.readouterr().out.splitlines()
     report = verify(out, all_types_gguf)
+    # convert counted "N lossy, 0 exact" over the quantized tensors, verify "M exact, N within
+    # bounds" over all: the same directory now reads the same in both
+    assert converted.strip().startswith(f"{len(report.max_abs_error)} of {report.checked} tensors lossy, "
+                                        f"{report.exact} exact;"), converted
     assert len(report.max_abs_error) > 1  # several lossy tensors, so one line each would be several
     worst = max(report.max_abs_error, key=report.max_abs_error.get)
     assert len(lines) == 2 and lines[1].startswith(f"verified {report.checked} tensors")
