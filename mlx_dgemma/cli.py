@@ -475,21 +475,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from .errors import ParameterError
 
         raise ParameterError(f"--context {args.context}: must be a number of tokens in [1, 4194304]")
-    if args.demo:
-        from .demo import demo_file
-        from .errors import ParameterError
+    from .demo import demo_file
+    from .paths import resolve_model
 
-        if args.model:
-            raise ParameterError(f"--demo and {args.model}: give one of them (--demo plans the built-in demo model)")
-        args.model = str(demo_file("trained"))
-    elif not args.model:
-        from .errors import ParameterError
-        from .paths import configured_model
-
-        args.model = configured_model()
-        if not args.model:
-            raise ParameterError("MODEL: not given; pass a converted directory or a .gguf file, set "
-                                 "MLX_DGEMMA_MODEL to one, or give --demo for the built-in demo model")
+    # MODEL, else $MLX_DGEMMA_MODEL, checked; --demo: the demo's file, planned like any other
+    args.model = resolve_model(args.model, args.demo, flag="MODEL") or str(demo_file("trained"))
 
     with hold_interrupts():  # MLX and mlx-lm (transformers, torch): native inits that lose or abort on Ctrl+C
         from .loader import plan_model

@@ -76,33 +76,32 @@ def check_gguf_input(path: str | os.PathLike, error: type[Exception] | None = No
     return p
 
 
-NO_MODEL = ("--model: not given; pass a converted directory or a .gguf file, or set MLX_DGEMMA_MODEL to "
-            "one (or --demo for the built-in demo model)")
-
-
-def check_model_choice(model: str | None, demo: bool) -> None:
-    """``--demo`` and ``--model`` name two different models: refuse rather than silently pick one."""
+def check_model_choice(model: str | None, demo: bool, flag: str = "--model") -> None:
+    """``--demo`` and ``--model`` (``flag``: how the command takes a model) name two different
+    models: refuse rather than silently pick one."""
     from .errors import ParameterError
 
     if demo and model:
-        raise ParameterError(f"--demo and --model {model}: give one of them (--demo runs the built-in "
-                             "demo model; --model runs yours)")
+        raise ParameterError(f"--demo and {flag} {model}: give one of them (--demo runs the built-in "
+                             f"demo model; {flag} runs yours)")
 
 
-def resolve_model(model: str | None, demo: bool, required: bool = True) -> str | None:
-    """The model path a front end opens: ``--model``, else ``$MLX_DGEMMA_MODEL`` (None with
-    ``--demo``), checked to be a readable file or directory before anything heavy is imported.
-    With neither, ParameterError if ``required`` (the chat app instead offers the demo)."""
+def resolve_model(model: str | None, demo: bool, required: bool = True, flag: str = "--model") -> str | None:
+    """The model path a front end opens: ``--model`` (``flag``: how the command takes it, e.g.
+    plan's positional ``MODEL``), else ``$MLX_DGEMMA_MODEL`` (None with ``--demo``), checked to
+    be a readable file or directory before anything heavy is imported. With neither,
+    ParameterError if ``required`` (the chat app instead offers the demo)."""
     from .errors import ParameterError
 
-    check_model_choice(model, demo)
+    check_model_choice(model, demo, flag)
     if demo:
         return None
     if model:
-        return str(check_model_path(model, "--model"))
+        return str(check_model_path(model, flag))
     env = configured_model()
     if env:
         return str(check_model_path(env, MODEL_ENV))
     if required:
-        raise ParameterError(NO_MODEL)
+        raise ParameterError(f"{flag}: not given; pass a converted directory or a .gguf file, or set "
+                             f"{MODEL_ENV} to one (or --demo for the built-in demo model)")
     return None
