@@ -14,7 +14,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.reactive import reactive
 
-from mlx_dgemma.paths import user_path
+from mlx_dgemma.paths import configured_model, user_path
 
 from .engine import Backend, Engine, ModelBackend
 
@@ -134,12 +134,6 @@ class DGemmaApp(App):
 
     def on_unmount(self) -> None:
         self.stop_engine()
-
-
-def configured_model() -> str | None:
-    """``MLX_DGEMMA_MODEL``, with ``~`` and variables expanded (no shell expands it for us)."""
-    value = os.environ.get("MLX_DGEMMA_MODEL", "").strip()
-    return str(user_path(value)) if value else None
 
 
 def _need_terminal() -> None:
