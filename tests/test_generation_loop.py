@@ -14,6 +14,8 @@ torch = pytest.importorskip("torch", reason="compares with torch-based transform
 gd = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma",
                          reason="transformers >= 5.23 with DiffusionGemma")
 
+import inspect  # noqa: E402
+
 from transformers.generation.logits_process import LogitsProcessorList  # noqa: E402
 
 from mlx_dgemma.events import StepEvent  # noqa: E402
@@ -53,6 +55,10 @@ def reference_loop(logits, p: SamplerParams):
         seen_sc.append(None if self_conditioning_logits is None else self_conditioning_logits.numpy())
         return SimpleNamespace(logits=torch.from_numpy(next(calls)))
 
+    # transformers 5.24 renamed the step's cache argument (``past_key_values`` -> ``cache``): pass
+    # it under the name the installed version declares, so one test covers both
+    step_params = inspect.signature(gd.DiffusionGemmaGenerationMixin._denoising_step).parameters
+    cache_arg = {"cache" if "cache" in step_params else "past_key_values": None}
     canvas = torch.zeros(1, C, dtype=torch.long)
     argmax, sc = canvas, None
     finished = torch.zeros(1, dtype=torch.bool)
@@ -61,7 +67,7 @@ def reference_loop(logits, p: SamplerParams):
         canvas, argmax, sc, finished = gd.DiffusionGemmaGenerationMixin._denoising_step(
             fake_self, decoder_forward=decoder_forward, current_canvas=canvas, argmax_canvas=argmax,
             input_ids=None, decoder_position_ids=None, self_conditioning_logits=sc, mask_mapping=None,
-            past_key_values=None, finished_denoising=finished, cur_step=cur, sampler=sampler,
+            **cache_arg, finished_denoising=finished, cur_step=cur, sampler=sampler,
             logits_processor=proc, diffusion_stopping_criteria=stop)
         masks.append(sampler.accepted_token_mask[0].numpy().copy())
         steps += 1

@@ -704,7 +704,7 @@ def test_the_summary_of_a_cancelled_prefill_names_no_steps():
 
 
 async def test_toasts_are_short_and_leave_the_status_line_visible():
-    from textual.widgets._toast import Toast
+    Toast = "Toast"  # by type name: the class lives in textual's private ``widgets._toast``
 
     backend = ScriptedBackend(steps=2, blocks=1)
     app = DGemmaApp(backend)

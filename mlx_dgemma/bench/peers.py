@@ -10,6 +10,7 @@ to the encoder's layers, ``layer_output_scale`` to the decoder's.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -97,18 +98,23 @@ class HFRunner:
 
         self.model = model
         self.cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+        # transformers 5.24 renamed the cache argument (``past_key_values`` -> ``cache``; the old
+        # name is deprecated): pass it under the name the installed version declares
+        params = inspect.signature(model.model.encoder.forward).parameters
+        self._cache_name = "cache" if "cache" in params else "past_key_values"
 
     def prefill(self, ids: np.ndarray) -> None:
         import torch
 
         with torch.no_grad():
-            self.model.model.encoder(input_ids=torch.from_numpy(ids.astype(np.int64)), past_key_values=self.cache)
+            self.model.model.encoder(input_ids=torch.from_numpy(ids.astype(np.int64)),
+                                     **{self._cache_name: self.cache})
 
     def denoise(self, canvas: np.ndarray, sc_logits: np.ndarray | None = None) -> np.ndarray:
         import torch
 
         with torch.no_grad():
-            out = self.model(decoder_input_ids=torch.from_numpy(canvas.astype(np.int64)), past_key_values=self.cache,
+            out = self.model(decoder_input_ids=torch.from_numpy(canvas.astype(np.int64)), **{self._cache_name: self.cache},
                              self_conditioning_logits=None if sc_logits is None else torch.from_numpy(sc_logits))
         return out.logits.float().numpy()
 
