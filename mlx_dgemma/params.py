@@ -54,7 +54,10 @@ PARAMS: tuple[Param, ...] = (  # in the order of ``generate --help``
           "max denoising steps per block", label="max steps per block", screen_order=1, server=True,
           gguf_key="diffusion.eb_max_steps"),
     Param("t_min", float, *_TEMPERATURE, "a temperature in [0.001, 1000]", "--t-min", "T",
-          "final temperature of the linear schedule", label="final temperature", screen_order=3, server=True,
+          # the reference's schedule never reaches t_min: step k of N (counting down) runs at
+          # t_min + (t_max - t_min) * k / N, the last one at t_min + (t_max - t_min) / N
+          "floor of the linear temperature schedule (the last of N steps runs at t_min + (t_max - t_min)/N)",
+          label="temperature floor", screen_order=3, server=True,
           gguf_key="diffusion.eb_t_min"),
     Param("t_max", float, *_TEMPERATURE, "a temperature in [0.001, 1000]", "--t-max", "T",
           "first-step temperature", label="first-step temperature", screen_order=2, server=True,
