@@ -372,7 +372,7 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
         raw = tokenizer.decode(out)
         parsed = parse_answer(raw, strip=strip)
         lp: dict[str, np.ndarray] = {}
-        if result.logprobs is not None and block:  # the generated positions only: up to the EOS, not its padding
+        if result.logprobs is not None:  # the generated positions only: up to the EOS, not its padding (none: [0])
             n = next((i + 1 for i, t in enumerate(block) if t in p.eos_token_id), len(block)) if finished \
                 else len(block)
             lp = dict(zip(("logprobs", "top_ids", "top_logprobs"), (_frozen(a[:n]) for a in result.logprobs)))
