@@ -353,6 +353,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"text": done.text, "thinking": done.thinking, "tokens": tokens, **summary}))
     else:
         print()
+        from .guards import ENDINGS, GUARD_PARAMS
+
+        if done.finish_reason in ENDINGS:  # a guard ended the answer: say which, and how to turn it off
+            print(f"[{done.finish_reason}] {ENDINGS[done.finish_reason]}: the answer ends there "
+                  f"({flags()[GUARD_PARAMS[done.finish_reason]]} 0 turns this off)", file=sys.stderr)
         print(f"[done] {done.finish_reason}; {done.steps} steps {list(done.steps_per_block)}, "
               f"{done.seconds_per_step:.3f} s/step, {done.tokens_per_forward:.2f} tokens/forward, "
               f"prefill {done.prefill_tokens_per_second:.1f} tok/s, peak {done.peak_memory_bytes / 1e9:.2f} GB, "
