@@ -113,7 +113,8 @@ def test_allowed_hosts_that_could_never_match_are_refused(names, bad):
     with pytest.raises(ValueError) as e:
         check_host_names(names)
     assert str(e.value) == bad
-    assert check_host_names(["My.Box.", "[::1]", "10.0.0.2", "*"]) == ("my.box", "::1", "10.0.0.2", "*")
+    assert check_host_names(["My.Box.", "[::0:1]", "10.0.0.2", "*"]) == ("my.box", "::1", "10.0.0.2", "*")
+    assert _refusal({"host": "[fd00::0:5]:80"}, hosts=check_host_names(["fd00::5"])) is None  # one written form
 
 
 # --------------------------------------------------------------------------- the rules in the app
@@ -406,7 +407,7 @@ def test_silent_and_trickling_connections_lock_nobody_out(live):
     result: dict[str, Any] = {}
 
     def held() -> None:
-        body = msg("a held answer", **{**HOLD, "max_denoising_steps": 8})  # 8 steps, whatever the canvas
+        body = msg("a held answer", **{**HOLD, "max_denoising_steps": 4})  # 4 steps, whatever the canvas
         result["answer"] = live.raw("POST", C, json.dumps(body), headers=AUTH)
         result["done"] = time.monotonic()
 
@@ -417,9 +418,9 @@ def test_silent_and_trickling_connections_lock_nobody_out(live):
     with Flood(live, n, trickle=False) as silent, Flood(live, n, trickle=True, every=0.2) as trickling:
         flooded = time.monotonic()
         assert wait_for(lambda: silent.opened > 2 * n and trickling.opened > 2 * n, 30)  # places change hands
-        answers = [live.raw("GET", "/health")[0] for _ in range(20)]
+        answers = [live.raw("GET", "/health")[0] for _ in range(12)]
     worker.join(120)
-    assert answers == [200] * 20, answers
+    assert answers == [200] * 12, answers
     status, _, body = result["answer"]
     assert status == 200 and body["choices"][0]["finish_reason"], body
     assert result["done"] > flooded  # it was running all through the flood

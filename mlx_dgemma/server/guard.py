@@ -20,6 +20,8 @@ light (``mlx-dgemma --help`` builds every parser); h11 and uvicorn are imported 
 from __future__ import annotations
 
 import array
+import functools
+import http
 import ipaddress
 import itertools
 import json
@@ -80,8 +82,26 @@ def host_name(value: str) -> str | None:
     port = rest[1:]
     if rest and not (rest[0] == ":" and (not port or port.isascii() and port.isdigit())):
         return None
+    return _canonical(name) or None
+
+
+def _canonical(name: str) -> str:
+    """A host name lowercased without its final dot; an address in its one written form
+    (``::0:1`` is ``::1``)."""
     name = name.lower().removesuffix(".")
-    return name or None
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        return name
+
+
+def _is_address(name: str) -> bool:
+    """``name`` is an IP address as written in a URL's host (no brackets)."""
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def check_host_names(names: list[str]) -> tuple[str, ...]:
@@ -94,20 +114,23 @@ def check_host_names(names: list[str]) -> tuple[str, ...]:
             out.append(bare)
             continue
         plain = bare.removeprefix("[").removesuffix("]")
-        is_addr = True
-        try:
-            ipaddress.ip_address(plain)
-        except ValueError:
-            is_addr = False
-        label_ok = all(part and len(part) <= 63 and all(c.isascii() and (c.isalnum() or c in "-_") for c in part)
-                       for part in bare.split("."))
-        if not (is_addr or label_ok):
+        if _is_address(plain):
+            out.append(_canonical(plain))
+        elif all(part and len(part) <= 63 and all(c.isascii() and (c.isalnum() or c in "-_") for c in part)
+                 for part in bare.split(".")):
+            out.append(bare)
+        else:
             raise ValueError(name)
-        out.append(plain if is_addr else bare)
     return tuple(out)
 
 
 # --------------------------------------------------------------------------- the request rules
+
+
+@functools.lru_cache(maxsize=256)  # a server sees few Host values, and parsing an address is not free
+def _host_allowed(value: str, allowed_hosts: tuple[str, ...]) -> bool:
+    name = host_name(value)
+    return name is not None and (is_loopback(name) or name in allowed_hosts)
 
 
 def _short(value: str) -> str:
@@ -135,8 +158,7 @@ def refusal(scope: dict[str, Any], *, allowed_hosts: tuple[str, ...] | None, ori
 
     if allowed_hosts is not None and "*" not in allowed_hosts:
         for value in headers.get(b"host", ()):  # none: an HTTP/1.0 client's request, never a browser's
-            name = host_name(value.strip())
-            if name is None or not (is_loopback(name) or name in allowed_hosts):
+            if not _host_allowed(value.strip(), allowed_hosts):
                 names = ", ".join(("localhost", "127.0.0.1", "[::1]", *allowed_hosts))
                 return APIError(403, f"Host: {_short(value)} is not a name of this server ({names}); connect by "
                                 "one of those, or start the server with --allowed-hosts NAME (other names are "
@@ -176,8 +198,6 @@ def refusal(scope: dict[str, Any], *, allowed_hosts: tuple[str, ...] | None, ori
 def raw_response(e: APIError, extra: dict[str, str] | None = None) -> bytes:
     """``e`` as a whole HTTP/1.1 response that closes the connection: written straight to a
     transport, where there is no request for the app to answer (or it cannot be parsed)."""
-    import http
-
     body = json.dumps(e.body(), separators=(",", ":")).encode()
     try:
         reason = http.HTTPStatus(e.status).phrase
