@@ -318,7 +318,8 @@ MALFORMED = {
     "request line": b"HELLO\r\n\r\n",
     "header line": b"GET /health HTTP/1.1\r\nHost: localhost\r\nno colon here\r\n\r\n",
     "content length": b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: abc\r\n\r\n",
-    "two lengths": b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+    "two lengths": b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 3\r\n"
+                   b"Content-Length: 4\r\n\r\nabcd",
     "chunk size": b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
     "no host": b"GET /health HTTP/1.1\r\n\r\n",
     "control byte": b"GET /he\x00alth HTTP/1.1\r\nHost: localhost\r\n\r\n",

@@ -137,7 +137,8 @@ def _raise_fd_limit(connections: int) -> None:
         target = soft
     if target < want:
         raise ParameterError(f"--max-connections {connections}: this process may open only {target} files "
-                             f"(ulimit -n); lower --max-connections to at most {max(1, target - SURGE - 64)} or raise the limit")
+                             f"(ulimit -n); lower --max-connections to at most {max(1, target - SURGE - 64)} "
+                             "or raise the limit")
 
 
 def _settings(args: argparse.Namespace) -> tuple[Any, Any]:

@@ -181,14 +181,15 @@ def refusal(scope: dict[str, Any], *, allowed_hosts: tuple[str, ...] | None, ori
                             headers={"WWW-Authenticate": "Bearer"})
 
     if scope.get("method") in BODY_METHODS:
-        length = headers.get(b"content-length", ["0"])[0].strip()  # digits: h11 refuses any other
-        if int(length or 0) > 0 or b"transfer-encoding" in headers:  # a body: what a browser could send matters
+        length = headers.get(b"content-length", [""])[0].strip()  # digits under h11, which refuses any other
+        has_body = (int(length) > 0 if length.isdigit() else bool(length)) or b"transfer-encoding" in headers
+        if has_body:  # what a browser could have sent matters
             types = headers.get(b"content-type", [])
             bad = next((t for t in types if _media_type(t) != JSON_TYPE), None)
             if not types or bad is not None:
                 got = "missing" if not types else f"{_short(bad)} is not JSON"
                 return APIError(415, f"Content-Type: {got}; send the body as JSON with 'Content-Type: {JSON_TYPE}' "
-                                f"(curl: -H 'Content-Type: {JSON_TYPE}')", param=None, code="unsupported_media_type")
+                                f"(curl: -H 'Content-Type: {JSON_TYPE}')", code="unsupported_media_type")
     return None
 
 
