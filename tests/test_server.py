@@ -345,7 +345,7 @@ def test_disconnect_mid_stream_cancels(server):
     body = json.dumps({"model": MODEL, "stream": True, "seed": 0, "max_tokens": 64 * 8, "max_denoising_steps": 4,
                        "diffusion": {"stream_steps": True}, "messages": [{"role": "user", "content": "long"}]})
     sock = socket.create_connection((server.host, server.port))
-    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
     buf = b""
     while b'"type":"step"' not in buf:
