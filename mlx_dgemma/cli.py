@@ -486,7 +486,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     # MODEL, else $MLX_DGEMMA_MODEL, checked; --demo: the demo's file, planned like any other
     args.model = resolve_model(args.model, args.demo, flag="MODEL") or str(demo_file("trained"))
 
-    with hold_interrupts():  # MLX and mlx-lm (transformers, torch): native inits that lose or abort on Ctrl+C
+    with hold_interrupts():  # MLX: a native init that loses or aborts on Ctrl+C
         from .loader import plan_model
         from .plan import parse_size
 

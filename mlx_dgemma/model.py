@@ -12,13 +12,13 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchLinear
 
 from .cache import KVCache, LayerCache
 from .distributed import Range, Split, even, global_softmax_stats, shard_module, vocab_range
 from .errors import ParameterError
 from .quantized import FloatEmbedding
 from .schema import ModelArgs
+from .switch_layers import SwitchLinear, gather_sort, scatter_unsort
 
 # Token-expert pairs at or above this count are sorted by expert before gather_qmm.
 _SORT_THRESHOLD = 64
@@ -34,27 +34,6 @@ ATTENTION_SCORES_BUDGET = 64 << 20
 def _gelu(x: mx.array) -> mx.array:
     # transformers' gelu_pytorch_tanh
     return nn.gelu_approx(x)
-
-
-# _gather_sort and _scatter_unsort: copied from mlx-lm 0.32.2, mlx_lm/models/switch_layers.py
-# (MIT License, Copyright (c) 2023 Apple Inc.), unchanged but for type hints and docstrings,
-# because they are private there and may change or go without notice.
-def _gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Rows of ``x`` repeated per chosen expert and sorted by expert id, the sorted ids, and the
-    permutation that undoes the sort (``_scatter_unsort``)."""
-    *_, M = indices.shape
-    indices = indices.flatten()
-    order = mx.argsort(indices)
-    inv_order = mx.argsort(order)
-    return x.flatten(0, -3)[order // M], indices[order], inv_order
-
-
-def _scatter_unsort(x: mx.array, inv_order: mx.array, shape: tuple[int, ...] | None = None) -> mx.array:
-    """Undo ``_gather_sort``: back to token order, unflattened to ``shape`` along axis 0."""
-    x = x[inv_order]
-    if shape is not None:
-        x = mx.unflatten(x, 0, shape)
-    return x
 
 
 def rms_norm(x: mx.array, eps: float) -> mx.array:
@@ -218,11 +197,11 @@ class Experts(nn.Module):
         inv = None
         ids = idx
         if do_sort:
-            x, ids, inv = _gather_sort(x, idx)
+            x, ids, inv = gather_sort(x, idx)
         gu = self.gate_up_proj(x, ids, sorted_indices=do_sort)  # [., 1, 2I]
         y = self.down_proj(self.gated(gu), ids, sorted_indices=do_sort)  # [., 1, H]
         if do_sort:
-            y = _scatter_unsort(y, inv, idx.shape)  # [N, K, 1, H]
+            y = scatter_unsort(y, inv, idx.shape)  # [N, K, 1, H]
         y = y.squeeze(-2)  # [N, K, H]
         y = (y * weights.reshape(-1, weights.shape[-1], 1).astype(y.dtype)).sum(axis=-2)
         return y.reshape(shape)
