@@ -264,6 +264,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     # every argument first, with the standard library only: a mistake answers at once
     overrides = sampler_overrides(args)
+    from .tiers import check_precision_dtype  # no MLX
+
+    check_precision_dtype(args.precision, args.dtype)
     prompt, prompt_flag = read_prompt(args)
     check_text(prompt, prompt_flag)
     if not prompt.strip():  # stream_generate refuses it too, but only after the model has loaded
@@ -367,16 +370,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    from .launch import need_terminal
     from .paths import resolve_model
+    from .tiers import check_precision_dtype  # no MLX
 
     # --model, else $MLX_DGEMMA_MODEL, checked before Textual and MLX load; neither: the app offers the demo
     model = resolve_model(args.model, args.demo, required=False)
+    check_precision_dtype(args.precision, args.dtype)  # a contradiction is an error before the app starts
+    need_terminal("chat")  # no terminal (a script, `< /dev/null`): refused before Textual's and MLX's imports
     with hold_interrupts():
         from mlx_dgemma.tui.app import run_app
 
-    from .precision import resolve_precision
-
-    resolve_precision(args.precision, args.dtype)  # a contradiction is an error before the app starts
     if args.system is not None:
         from .tokenizer import check_text
 
@@ -463,6 +467,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # --model, else $MLX_DGEMMA_MODEL (checked here: a mistyped path fails before the server's imports)
     args.model = resolve_model(args.model, args.demo)
+    from .tiers import check_precision_dtype  # no MLX
+
+    check_precision_dtype(args.precision, args.dtype)
     with hold_interrupts():
         from .demo import DEMO_NOTICES
         from .server import check_args, main as serve_main

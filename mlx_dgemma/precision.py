@@ -38,7 +38,8 @@ import numpy as np
 
 from .errors import ModelFilesError, ParameterError
 from .schema import QuantSpec
-from .tiers import FAST_BITS, FAST_GROUP, PRECISIONS, TIERS, Target, requantize, stored_precision, target
+from .tiers import (FAST_BITS, FAST_GROUP, PRECISIONS, TIERS, Target, check_precision_dtype, requantize,
+                    stored_precision, target)
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 __all__ = ["DTYPES", "FAST_BITS", "FAST_GROUP", "PRECISIONS", "TIERS", "Precision", "apply_precision",
@@ -103,9 +104,7 @@ def resolve_precision(precision: str | Precision | None = "auto", dtype: str | m
             raise ParameterError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     if name == "exact":
-        if dtype is not None and dtype != mx.float32:
-            raise ParameterError("--dtype: exact precision runs in float32; use --precision fast "
-                                 "for bfloat16/float16 activations")
+        check_precision_dtype(name, None if dtype is None else str(dtype).split(".")[-1])
         return Precision("exact", mx.float32)
     return Precision("fast" if name == "auto" else name, dtype if dtype is not None else fast_dtype(), FAST_SC_TOP_K)
 

@@ -61,6 +61,17 @@ PADDED_TYPES = ("Q2_K", "Q3_K", "Q6_K")
 SCALE_DTYPE = np.float16  # scales and biases of every re-quantized weight, on disk and in memory
 
 
+def check_precision_dtype(precision: str, dtype: str | None) -> None:
+    """``exact`` is float32 by definition: another activation dtype with it is an error rather
+    than a silent contradiction. By name, standard library only, so the command line refuses
+    ``--precision exact --dtype bfloat16`` before it imports MLX (it took 7.8 s to say so)."""
+    if precision == "exact" and dtype is not None and dtype != "float32":
+        from .errors import ParameterError
+
+        raise ParameterError("--dtype: exact precision runs in float32; use --precision fast "
+                             "for bfloat16/float16 activations")
+
+
 def stored_precision(config: dict) -> str:
     """The form a converted directory's weights are in (config.json ``mlx_dgemma.weights``;
     "compact", the older name of fast's form, reads as "fast")."""

@@ -271,6 +271,12 @@ def _run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProces
     (["chat", "--model", "/nonexistent/m.gguf"], None, 2),
     (["convert", "/nonexistent/m.gguf", "/tmp/mlx-dgemma-never-written"], None, 2),
     (["plan"], {"MLX_DGEMMA_MODEL": ""}, 2),
+    # no terminal (stderr is a pipe here): refused before Textual and MLX (5-14 s, issue 30)
+    (["chat", "--demo"], None, 2),
+    # exact is float32: the contradiction is refused before MLX (7.8 s, issue 30)
+    (["generate", "--demo", "--prompt", "hi", "--precision", "exact", "--dtype", "bfloat16"], None, 2),
+    (["chat", "--demo", "--precision", "exact", "--dtype", "float16"], None, 2),
+    (["serve", "--demo", "--precision", "exact", "--dtype", "bfloat16"], None, 2),
 ])
 def test_instant_start_imports_nothing_heavy(argv, env, code):
     r = _run(argv, env)

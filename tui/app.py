@@ -14,6 +14,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.reactive import reactive
 
+from mlx_dgemma.launch import need_terminal
 from mlx_dgemma.paths import configured_model, user_path
 
 from .engine import Backend, Engine, ModelBackend
@@ -136,22 +137,6 @@ class DGemmaApp(App):
         self.stop_engine()
 
 
-def _need_terminal() -> None:
-    """Refuse, in one line, to start without a terminal: Textual reads the keys from stdin and
-    draws on stderr, so with either redirected (a script, cron, ``< /dev/null``) the app drew
-    escape codes into a file and waited for keys that never came. Under ``mlx.launch`` rank 0's
-    keys arrive through the launcher's pipe (``launch.rank_terminal`` checks that terminal)."""
-    from mlx_dgemma.errors import ParameterError
-    from mlx_dgemma.launch import launched
-
-    if launched():
-        return
-    for name, stream in (("standard input", sys.__stdin__), ("standard error", sys.__stderr__)):
-        if stream is None or not stream.isatty():
-            raise ParameterError(f"the chat app needs a terminal and {name} is not one; run it in a terminal, "
-                                 "or from a script use `mlx-dgemma generate --prompt TEXT` (or `serve`)")
-
-
 @contextmanager
 def _sigint_raises() -> Iterator[None]:
     """``kill -INT`` ends the app as SIGTERM does: KeyboardInterrupt, then the CLI's one line and
@@ -189,7 +174,7 @@ def run_app(model: str | None = None, demo: bool = False, dtype: str | None = No
         source = " (from MLX_DGEMMA_MODEL)" if from_env else ""
         raise ModelFilesError(f"{model}{source}: no such file or directory; give a .gguf file or a directory "
                               "written by `mlx-dgemma convert`")
-    _need_terminal()
+    need_terminal("chat")  # the command line asked already; a caller of run_app may not have
     app = DGemmaApp(backend)
     try:
         with _sigint_raises():
