@@ -24,6 +24,7 @@ from .chat_template import ParsedAnswer, parse_answer, render_chat
 from .distributed import agree
 from .errors import MemoryBudgetError, NonFiniteError, ParameterError
 from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent
+from .gpu import memory_errors, wired_limit
 from .guards import duplicate_cut, empty_answer, loop_start, unconverged
 from .memory import check_fits, estimate, peak_memory_bytes, reset_peak_memory
 from .model import DEFAULT_PREFILL_CHUNK
@@ -258,11 +259,18 @@ def _token_ids(prompt: Any) -> list[int]:
                          param="prompt")
 
 
-def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
-         dtype: mx.Dtype | None, cancel: Callable[[], bool] | None, history_len: int,
-         chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
-         checkpoint: tuple[int, Callable[[], None]] | None = None, logprobs: int | None = None,
-         strip: bool = True) -> Iterator[Event]:
+def _run(runtime: Runtime, *args: Any, **kwargs: Any) -> Iterator[Event]:
+    """:func:`_answer` on this thread under MLX's wired limit on a Mac's GPU (as mlx-lm
+    generates), a GPU out of memory raised as :class:`MemoryBudgetError` (``mlx_dgemma.gpu``)."""
+    with wired_limit(runtime.model), memory_errors("generation"):
+        yield from _answer(runtime, *args, **kwargs)
+
+
+def _answer(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
+            dtype: mx.Dtype | None, cancel: Callable[[], bool] | None, history_len: int,
+            chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
+            checkpoint: tuple[int, Callable[[], None]] | None = None, logprobs: int | None = None,
+            strip: bool = True) -> Iterator[Event]:
     """Prefill ``ids`` into ``cache`` (in chunks) and generate. ``checkpoint`` (k, call): call
     ``call()`` once the first k of ``ids`` are encoded (a chat session returns there later).
     ``strip``: strip the answer's surrounding whitespace (a chat answer; not a raw continuation)."""

@@ -16,6 +16,7 @@ import numpy as np
 
 from .distributed import load_sharded_weights, world
 from .errors import ModelFilesError, ParameterError
+from .gpu import memory_errors
 from .model import DiffusionGemma, ModelArgs
 from .paths import check_model_choice, check_model_path, resolve_model, user_path  # noqa: F401 (re-exported)
 from .precision import Precision, apply_precision, check_loadable, resolve_precision, stored_precision
@@ -151,6 +152,7 @@ def plan_model(path: str | Path, memory_limit: int | None = None, context_tokens
                      memory_limit=memory_limit, ranks=ranks, rank=rank)
 
 
+@memory_errors("loading the model")  # a GPU out of memory: the one-line budget error
 def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.Dtype | None = None,
          progress: Callable[[int, int, str], None] | None = None,
          memory_limit: int | None = None) -> Runtime:

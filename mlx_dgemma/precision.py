@@ -37,6 +37,7 @@ from mlx.utils import tree_map_with_path
 import numpy as np
 
 from .errors import ModelFilesError, ParameterError
+from .gpu import keep_float32_exact
 from .schema import QuantSpec
 from .tiers import (FAST_BITS, FAST_GROUP, PRECISIONS, TIERS, Target, check_precision_dtype, requantize,
                     stored_precision, target)
@@ -166,7 +167,8 @@ def _goal(precision: str, path: str, m: nn.Module, specs: dict[str, QuantSpec], 
 def apply_precision(model: nn.Module, precision: Precision, quantization: dict | None = None) -> None:
     """Turn a loaded model into ``precision``'s runtime form, in memory.
 
-    ``exact`` changes nothing. The others re-quantize the weights their recipe names
+    ``exact`` changes nothing in the model (on a Mac's GPU it keeps float32 matmuls IEEE float32:
+    :func:`mlx_dgemma.gpu.keep_float32_exact`). The others re-quantize the weights their recipe names
     (``mlx_dgemma.tiers.target``; ``quantization`` is config.json's section, which records each
     weight's ggml type) unless already in that form, cast every quantized weight's scales and
     biases (the tiers' float16 ones only to a half-precision activation dtype) and every float
@@ -175,6 +177,7 @@ def apply_precision(model: nn.Module, precision: Precision, quantization: dict |
     model (the loader's :class:`mlx_dgemma.runtime.Runtime`), as are steps traced before.
     """
     if precision.name == "exact":
+        keep_float32_exact()  # before its first matmul: float32 stays IEEE on an M5-class GPU too
         return
     dt = precision.dtype
     specs = {k: QuantSpec.from_dict(v) for k, v in (quantization or {}).items() if isinstance(v, dict)}
