@@ -29,11 +29,44 @@ DEFAULT_PREFILL_CHUNK = 512
 # Upper bound on one attention call's float32 scores during prefill: longer contexts split
 # the chunk's queries so the global layer's working memory stays flat as the cache grows.
 ATTENTION_SCORES_BUDGET = 64 << 20
+# Entries per chunk of top_k_indices' first stage: 2,048 is the longest row MLX's Metal sort
+# handles in one threadgroup (512 threads x 4); a longer row (the vocabulary, 262,144) goes to
+# its multi-block merge sort, which argpartition falls back to on Metal and CUDA.
+TOP_K_CHUNK = 2048
 
 
 def _gelu(x: mx.array) -> mx.array:
     # transformers' gelu_pytorch_tanh
     return nn.gelu_approx(x)
+
+
+def top_k_indices(x: mx.array, k: int, chunk: int | None = None) -> mx.array:
+    """Indices [..., k] of the ``k`` largest entries of each row of ``x`` (last axis), in no
+    particular order: the set ``mx.argpartition(-x, k - 1)[..., :k]`` selects (ties aside).
+
+    MLX's Metal and CUDA backends run ``argpartition`` as a full sort of the row: over the
+    vocabulary (256 x 262,144 probabilities per step) a multi-block merge sort holding two
+    copies of the values and two of the indices (about 1.3 GB in all with its output). A row
+    that splits into at least four whole chunks is taken in two stages instead: the top ``k``
+    of each ``chunk`` entries (a sort that fits one threadgroup), then the top ``k`` of those
+    candidates. Every one of the row's top ``k`` is among its own chunk's top ``k``, so the set is
+    the same; the largest transient is the first stage's index array (one copy of ``x``'s size).
+    Other rows (a small vocabulary, ``k`` above a quarter of a chunk) take one ``argpartition``.
+    ``chunk``: default :data:`TOP_K_CHUNK`. ``benchmarks/sc_select.py`` measures both ways
+    (benchmarks/RESULTS.md).
+    """
+    chunk = chunk or TOP_K_CHUNK
+    V = x.shape[-1]
+    n = V // chunk
+    if V % chunk or n < 4 or k > chunk // 4:
+        return mx.argpartition(-x, kth=k - 1, axis=-1)[..., :k]
+    lead = x.shape[:-1]
+    chunks = x.reshape(*lead, n, chunk)
+    local = mx.argpartition(chunks, kth=chunk - k, axis=-1)[..., chunk - k:]  # [..., n, k] each chunk's top k
+    cand = mx.take_along_axis(chunks, local, axis=-1).reshape(*lead, n * k)
+    ids = (local + (mx.arange(n, dtype=local.dtype) * chunk)[:, None]).reshape(*lead, n * k)
+    best = mx.argpartition(cand, kth=n * k - k, axis=-1)[..., n * k - k:]  # [..., k] the row's top k
+    return mx.take_along_axis(ids, best, axis=-1)
 
 
 def rms_norm(x: mx.array, eps: float) -> mx.array:
@@ -437,7 +470,7 @@ class DiffusionGemma(nn.Module):
         if top_k is None:
             soft = self.embed_tokens.soft_lookup(probs.astype(dtype))
         else:
-            idx = mx.argpartition(-probs, kth=top_k - 1, axis=-1)[..., :top_k]  # [B, C, k]
+            idx = top_k_indices(probs, top_k)  # [B, C, k]
             p = mx.take_along_axis(probs, idx, axis=-1)
             p = p / p.sum(axis=-1, keepdims=True)
             rows = self.embed_tokens(idx).astype(dtype)  # [B, C, k, H]
@@ -456,7 +489,7 @@ class DiffusionGemma(nn.Module):
         k = min(top_k, self.args.vocab_size // g.size())  # the same on every rank (all_gather needs it)
         if k * g.size() < top_k:
             raise ParameterError(f"sc_top_k = {top_k}: at most {k * g.size()} with {g.size()} ranks")
-        idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]  # [B, C, k] this rank's best
+        idx = top_k_indices(probs, k)  # [B, C, k] this rank's best
         p = mx.take_along_axis(probs, idx, axis=-1)
         cand_p = mx.distributed.all_gather(p[None], group=g)  # [R, B, C, k]
         cand_i = mx.distributed.all_gather((idx + lo)[None], group=g)
