@@ -15,12 +15,14 @@ from .events import StepEvent
 from .paths import user_path
 
 
-def check_trace_path(path: str | Path, name: str = "trace") -> Path:
-    """A trace file can be written at ``path``: checked before generating, not after."""
+def check_trace_path(path: str | Path, name: str = "trace", what: str = "the JSON lines",
+                     example: str = "trace.jsonl") -> Path:
+    """A trace file (or another output file: ``what`` it holds, an ``example`` name) can be written
+    at ``path``: checked before generating, not after."""
     p = user_path(path)
     if p.is_dir():
-        raise ParameterError(f"{name} {path}: is a directory; give a file name for the JSON lines, "
-                             f"e.g. {p / 'trace.jsonl'}", param=name, rule="a file path")
+        raise ParameterError(f"{name} {path}: is a directory; give a file name for {what}, "
+                             f"e.g. {p / example}", param=name, rule="a file path")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise ParameterError(f"{name} {path}: directory {parent} does not exist; create it first "
