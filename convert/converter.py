@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mlx_dgemma.errors import terminate_as_interrupt
 from mlx_dgemma.rss import peak_rss_bytes  # not .memory: that imports MLX
-from mlx_dgemma.paths import user_path
+from mlx_dgemma.paths import output_clash, user_path
 from mlx_dgemma.schema import QuantSpec
 from mlx_dgemma.tiers import TIER_HELP, TIERS, TensorInfo, tensor_bytes
 from mlx_dgemma.validate import check_tokenizer_data
@@ -207,24 +207,13 @@ def _remove_empty(dirs: list[Path]) -> None:
 REPORT_FILE = "conversion_report.json"
 
 
-def _is_within(path: Path, root: Path) -> bool:
-    try:
-        path.relative_to(root)
-        return True
-    except ValueError:
-        return False
-
-
 def _check_output(src: Path, out: Path, force: bool) -> Path:
     """Refuse outputs that would overwrite the input or anything we did not write; returns the
     (resolved) parent directory the output goes in."""
-    src_r, out_r = src.resolve(), out.resolve()
-    if out_r == src_r:
-        raise ConvertError(f"{out}: is the input file; choose a new directory for the output")
-    if _is_within(src_r, out_r):
-        raise ConvertError(f"{out}: contains the input file {src}; choose a new directory for the output")
-    if _is_within(out_r, src_r):
-        raise ConvertError(f"{out}: would be inside the input file {src}; choose a directory elsewhere")
+    clash = output_clash(out, [src])  # the rule every command's outputs follow (symlinks, hard links)
+    if clash is not None:
+        raise ConvertError(f"{out}: {clash}; choose a new directory for the output")
+    out_r = out.resolve()
     name_max = 255
     try:
         name_max = os.pathconf(out_r.parent, "PC_NAME_MAX") if out_r.parent.is_dir() else 255

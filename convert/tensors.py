@@ -210,6 +210,8 @@ def convert_tensor(t, precision: str = "exact", num_layers: int = 0) -> Converte
             for r0 in range(0, rows, step):
                 chunk = read(r0, min(rows, r0 + step))
                 exact = gguf_dequantize(chunk, qtype).reshape(chunk.shape[0], width)
+                # NaN/Inf scales dequantize to NaN/Inf: a corrupt file, not a range float16 lacks
+                _check_finite(t.name, *_count_bad(exact), f"values of rows {r0}..{r0 + exact.shape[0] - 1}")
                 try:
                     r = requantize(exact, goal)
                 except OverflowError as e:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from .errors import DGemmaError, Terminated, hold_interrupts, terminate_as_interrupt
 from .params import flags  # generation parameter -> its flag (standard library only)
+from .stdio import standard_streams, stdout_closed  # imported here: no import between main() and its handlers
 
 if TYPE_CHECKING:
     from .events import StepEvent
@@ -32,15 +33,20 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.max_shard_gb) and 0.001 <= args.max_shard_gb <= 1e6):
         raise ParameterError(f"--max-shard-gb {args.max_shard_gb}: must be a number of GB in [0.001, 1e6]")
     check_gguf_input(args.gguf)  # a mistyped path fails before the converter's imports
-    from mlx_dgemma.convert.converter import convert
+    from mlx_dgemma.convert.converter import REPORT_FILE, convert
 
+    from .errors import OutputError
     from .progress import ProgressBar
 
     bar = ProgressBar("converting")
     report = convert(args.gguf, args.out_dir, precision=args.precision, force=args.force,
                      max_shard_bytes=int(args.max_shard_gb * 1e9),
                      progress=lambda done, total, i, n, name: bar.update(done, total, f"{i}/{n} {name}"))
-    print("\n".join(report.summary_lines()))
+    try:
+        print("\n".join(report.summary_lines()), flush=True)
+    except OutputError as e:  # the directory is whole: say so, not just that the summary was lost
+        raise OutputError(f"{e} (the conversion itself is complete: {report.output}, its summary in "
+                          f"{REPORT_FILE} there)") from None
     if args.verify:
         return _run_verify(args.out_dir, args.gguf)
     return 0
@@ -69,6 +75,9 @@ def _run_verify(out_dir: str, gguf: str) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from .paths import check_gguf_input
+
+    check_gguf_input(args.gguf)  # a mistyped path fails before the verifier's imports
     return _run_verify(args.out_dir, args.gguf)
 
 
@@ -106,14 +115,17 @@ def planned_precision(args: argparse.Namespace) -> str:
     """--precision after the memory plan (auto -> the most exact form that fits --memory-limit or
     the device); refuses, in one line, a model that does not fit. Nothing is loaded."""
     if not getattr(args, "demo", False) and not getattr(args, "model", None):
+        if getattr(args, "memory_limit", None) is not None:
+            with hold_interrupts():  # the plan's module imports MLX
+                memory_limit(args)  # a bad size is refused even with no model to plan yet
         return args.precision
     # the plan imports MLX (the device's memory): Ctrl+C inside mlx.core's import was swallowed
     # (the server then started anyway) or aborted the process; reading a header takes a moment
     with hold_interrupts():
         from .loader import plan_model
-        from .plan import choose_across_ranks, parse_size
+        from .plan import choose_across_ranks
 
-        limit = parse_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
+        limit = memory_limit(args)
         if getattr(args, "demo", False):  # the demo is a model file like any other: planned the same
             from .demo import demo_file
 
@@ -122,6 +134,17 @@ def planned_precision(args: argparse.Namespace) -> str:
             model = args.model
         # under mlx.launch: this rank's share, and the same precision on every rank
         return choose_across_ranks(plan_model(model, limit), args.precision)
+
+
+def memory_limit(args: argparse.Namespace) -> int | None:
+    """``--memory-limit`` in bytes; None where the command has none or it was not given (given
+    empty, it is refused like any other bad size, not taken as absent)."""
+    value = getattr(args, "memory_limit", None)
+    if value is None:
+        return None
+    from .plan import parse_size
+
+    return parse_size(value)
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -190,7 +213,7 @@ def read_prompt(args: argparse.Namespace) -> tuple[str, str]:
     """(the prompt text, the flag it came from): ``--prompt TEXT``, ``--prompt -`` (stdin) or
     ``--prompt-file PATH`` (``-``: stdin), read as UTF-8."""
     from .errors import ParameterError
-    from .paths import input_problem, user_path
+    from .paths import EMPTY, empty_path, input_problem, user_path
 
     flag = "--prompt" if args.prompt is not None else "--prompt-file"
     source = args.prompt if args.prompt is not None else args.prompt_file
@@ -205,9 +228,11 @@ def read_prompt(args: argparse.Namespace) -> tuple[str, str]:
         where = "standard input"
     else:
         path = user_path(source)
-        problem = input_problem(path, want_dir=False)
+        empty = empty_path(source)  # Path("") is ".": "is a directory" would mislead
+        problem = EMPTY if empty else input_problem(path, want_dir=False)
         if problem is not None:
-            raise ParameterError(f"{flag} {source}: {problem}; give a text file with the prompt")
+            raise ParameterError(f"{flag} {repr(source) if empty else source}: {problem}; give a text file with "
+                                 "the prompt ('-': read it from standard input)")
         try:
             with open(path, "rb") as f:
                 raw = f.read(PROMPT_LIMIT + 1)
@@ -256,8 +281,7 @@ class StepLine:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .paths import resolve_model
-    from .trace import check_trace_path
+    from .paths import check_output_file, resolve_model
 
     with hold_interrupts():  # the tokenizers package: a Rust (pyo3) init, as pydantic-core's
         from .tokenizer import check_text
@@ -273,15 +297,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from .errors import ParameterError
 
         raise ParameterError(f"{prompt_flag}: the prompt is empty; give some text")
-    if args.trace:
-        check_trace_path(args.trace, "--trace")
     model_path = resolve_model(args.model, args.demo)  # --model, else $MLX_DGEMMA_MODEL; checked
+    trace_out = None
+    if args.trace is not None:  # never over an input of this run: the model, the prompt file
+        from .demo import trained_demo_path
+
+        inputs = [model_path or trained_demo_path(), args.prompt_file if args.prompt_file != "-" else None]
+        trace_out = check_output_file(args.trace, "--trace", inputs, example="trace.jsonl")
     with hold_interrupts():
         from .events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
         from .generation import stream_generate
-        from .plan import parse_size
         from .text import printable
-    limit = parse_size(args.memory_limit) if args.memory_limit else None
+    limit = memory_limit(args)
     runtime = load_for_cli(model_path, args.demo, args.dtype, args.precision, limit)
     model, tokenizer, gen_cfg = runtime.model, runtime.tokenizer, runtime.generation_config
     check_sampler_flags(overrides, gen_cfg)  # against the model's own defaults
@@ -292,13 +319,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     printed = 0
     done: DoneEvent | None = None
     trace = None
-    if args.trace:
+    if trace_out is not None:
         from .sampler import SamplerParams
         from .trace import Trace, settings_in_effect, trace_header
 
         params_in_effect = SamplerParams.from_config(gen_cfg, **overrides)
         settings = settings_in_effect(params_in_effect, runtime.sc_top_k(params_in_effect))
-        trace = Trace(header=trace_header(args.prompt, settings, "demo model" if args.demo else str(args.model),
+        trace = Trace(header=trace_header(prompt, settings, "demo model" if args.demo else str(model_path),
                                           runtime.precision.label, seed=settings.pop("seed"),
                                           thinking=args.think, raw=args.raw))
     with flag_errors(overrides):  # the flags against the model's config and vocabulary, before any work
@@ -341,7 +368,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         progress.clear()
     assert done is not None
     if trace is not None:
-        trace.export_jsonl(args.trace, tokenizer.decode)
+        trace.export_jsonl(trace_out, tokenizer.decode)
     summary = {"finish_reason": done.finish_reason, "prompt_tokens": done.prompt_tokens,
                "prefill_tokens_per_second": round(done.prefill_tokens_per_second, 2),
                "steps": done.steps, "steps_per_block": list(done.steps_per_block),
@@ -495,9 +522,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     with hold_interrupts():  # MLX: a native init that loses or aborts on Ctrl+C
         from .loader import plan_model
-        from .plan import parse_size
 
-    limit = parse_size(args.memory_limit) if args.memory_limit else None
+    limit = memory_limit(args)
     if args.ranks is None:  # this process's share under mlx.launch, else the whole model
         plan = plan_model(args.model, limit, args.context)
     else:
@@ -662,10 +688,59 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return p
 
 
+def _negative_number(word: str) -> bool:
+    """``word`` reads as a negative number (``-1``, ``-1e-300``, ``-inf``, ``-nan``)."""
+    if not word.startswith("-") or len(word) < 2:
+        return False
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def joined_negative_values(argv: list[str]) -> list[str]:
+    """``argv`` with each negative number that follows an option joined to it (``--flag=-inf``).
+
+    argparse reads a word that starts with '-' as an option unless it is a plain decimal:
+    ``--accept-probability -inf`` or ``-1e-300`` got "expected one argument" instead of the
+    option's own range check. Joined, the word is the option's value whatever it looks like
+    (an option that takes none then says so). Nothing after ``--`` changes."""
+    out: list[str] = []
+    for i, word in enumerate(argv):
+        if word == "--":
+            return out + argv[i:]
+        if out and _negative_number(word) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status. Its standard streams are checked and guarded first
+    (:mod:`mlx_dgemma.stdio`): a closed standard output is refused, a full one is a one-line
+    error, and a failing standard error never costs what goes to standard output."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        with standard_streams():
+            if stdout_closed():
+                command = next((a for a in argv if not a.startswith("-")), "")
+                print(f"mlx-dgemma{' ' + command if command else ''}: error: standard output is closed (>&-); what "
+                      "the command prints would be lost, or land in a file it opens: send it somewhere, e.g. "
+                      ">/dev/null", file=sys.stderr, flush=True)
+                return 2
+            return _run(argv)
+    except KeyboardInterrupt as e:  # in the instant before _run's own handler (it takes every later one)
+        if "--debug" in argv:
+            raise
+        print("mlx-dgemma: interrupted; nothing partial was kept", file=sys.stderr)
+        return 128 + e.signum if isinstance(e, Terminated) else 130
+
+
+def _run(argv: list[str]) -> int:
     """Run one command; its exit status. Errors a user can act on, and Ctrl+C at any moment
     (while the parser is built too), end in one line on stderr unless ``--debug``."""
-    argv = sys.argv[1:] if argv is None else argv
     args: argparse.Namespace | None = None
     try:
         with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C (from the first moment)
@@ -674,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
             if not [a for a in argv if a != "--debug"]:  # bare `mlx-dgemma`: the help, "first time?" included
                 parser.print_help(sys.stderr)
                 return 2  # a usage error, as any missing argument is
-            args = parser.parse_args(argv)
+            args = parser.parse_args(joined_negative_values(argv))
             from .launch import quiet_other_ranks
 
             quiet_other_ranks()  # under mlx.launch rank 0 alone prints

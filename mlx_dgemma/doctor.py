@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -42,6 +42,7 @@ import numpy as np
 
 from .errors import ModelFilesError, ParameterError, hold_interrupts
 from .gpu import TF32_ENV, device_nax, keep_float32_exact
+from .paths import OutputFile, check_output_file, open_output
 
 # --------------------------------------------------------------------------------------------
 # thresholds
@@ -281,6 +282,8 @@ class Check:
     ok: bool
     detail: str = ""
     provisional: bool = False  # the threshold is a derived bound, not yet measured (THRESHOLDS)
+    # MLX's CPU reference itself is NaN/Inf: the model's numbers (its weights), not the device
+    model_fault: bool = False
 
     @property
     def label(self) -> str:
@@ -314,16 +317,22 @@ def compare(case: str, precision: str, subject: RunOutputs, reference: RunOutput
     """The three checks of one case and precision: KV cache, logits, argmax at decisive positions."""
     p = perturb or (lambda _q, a: a)
     checks = []
+    # where the CPU reference is not finite, the device is not what failed: the model's weights
+    # (or its shapes) give NaN/Inf on any device, and the error against it means nothing
+    kv_fault = not all(np.isfinite(r).all() for r in reference.kv)
+    logits_fault = not np.isfinite(reference.logits).all()
+    fault_text = "MLX's CPU reference is NaN/Inf too"
     kv_errs = [relative_error(p("kv", s), r) for s, r in zip(subject.kv, reference.kv)]
     kv = max(kv_errs, default=0.0)
     if len(subject.kv) != len(reference.kv):
         kv = math.inf
     worst = int(np.argmax(kv_errs)) // 3 if kv_errs else 0  # keys, values, slot positions per layer
     prov = not tol.measured
-    checks.append(Check(case, precision, "kv", kv, tol.kv, kv <= tol.kv,
-                        f"worst in layer {worst}" if kv > 0 else "", prov))
+    checks.append(Check(case, precision, "kv", kv, tol.kv, kv <= tol.kv and not kv_fault,
+                        fault_text if kv_fault else f"worst in layer {worst}" if kv > 0 else "", prov, kv_fault))
     lg = relative_error(p("logits", subject.logits), reference.logits)
-    checks.append(Check(case, precision, "logits", lg, tol.logits, lg <= tol.logits, "", prov))
+    checks.append(Check(case, precision, "logits", lg, tol.logits, lg <= tol.logits and not logits_fault,
+                        fault_text if logits_fault else "", prov, logits_fault))
     dec = decisive_positions(reference.logits, tol.logits)
     sa, ra = p("argmax", subject.argmax), reference.argmax
     n = int(dec.sum())
@@ -331,9 +340,19 @@ def compare(case: str, precision: str, subject: RunOutputs, reference: RunOutput
     overall = float(np.mean(sa == ra)) if sa.shape == ra.shape else 0.0
     if sa.shape != ra.shape:
         agree = 0.0
-    checks.append(Check(case, precision, "argmax", agree, tol.argmax, agree >= tol.argmax,
-                        f"{n} of {ra.size} positions decisive; all positions agree {overall:.1%}", prov))
+    checks.append(Check(case, precision, "argmax", agree, tol.argmax, agree >= tol.argmax and not logits_fault,
+                        f"{fault_text + '; ' if logits_fault else ''}{n} of {ra.size} positions decisive; all "
+                        f"positions agree {overall:.1%}", prov, logits_fault))
     return checks
+
+
+def non_finite_weights(model: Any) -> list[str]:
+    """The names of ``model``'s floating-point parameters holding NaN or Inf (quantization
+    scales and biases included)."""
+    from mlx.utils import tree_flatten
+
+    return [k for k, a in tree_flatten(model.parameters())
+            if mx.issubdtype(a.dtype, mx.floating) and not mx.isfinite(a).all().item()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -608,11 +627,19 @@ class Report:
         if self.ok:
             out.append(f"result:        all {len(self.checks)} checks agree ({self.seconds:.1f} s)")
         else:
+            model = [c.label for c in self.failed if c.model_fault]
+            device = [c.label for c in self.failed if not c.model_fault]
+            verdicts = []
+            if model:
+                verdicts.append("; ".join(model) + ": the model gives NaN or Inf on MLX's CPU as well, so its "
+                                "weights are broken, not this device (mlx-dgemma verify DIR GGUF names the tensors "
+                                "of a converted directory; else download the model again)")
+            if device:
+                verdicts.append("; ".join(device) + ": this device computes the model wrongly at the failing "
+                                "precision: if only fast fails, run with --precision exact; either way, report "
+                                "this output (README: Checking your machine)")
             out.append(f"result:        {len(self.failed)} of {len(self.checks)} checks FAILED: "
-                       + "; ".join(c.label for c in self.failed)
-                       + ". This device computes the model wrongly at the failing precision: if only fast "
-                         "fails, run with --precision exact; either way, report this output "
-                         "(README: Checking your machine)")
+                       + ". ".join(verdicts))
         return out
 
 
@@ -713,8 +740,12 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
             with prog.phase(f"{case}, {label}: prefill {len(ids)} tokens + one step of {C} on "
                             f"{'the GPU and ' if dev.gpu else ''}the CPU"):
                 subject, reference = subject_and_reference(model, inp, dtype, params, resolved.sc_top_k)
-            report.checks.extend(compare(case, label, subject, reference,
-                                         tolerance(dev.backend, _dtype_name(dtype)), perturb))
+            checks = compare(case, label, subject, reference, tolerance(dev.backend, _dtype_name(dtype)), perturb)
+            if any(c.model_fault for c in checks):  # name the weights at fault, where some are
+                bad = non_finite_weights(model)
+                named = f"; NaN/Inf in its weights: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}" if bad else ""
+                checks = [replace(c, detail=c.detail + named) if c.model_fault else c for c in checks]
+            report.checks.extend(checks)
 
     def demo(prec: str):
         from .loader import load_demo
@@ -862,17 +893,10 @@ def report_document(report: Report, model_path: str | None, tf32_env: str | None
             "timings": [asdict(t) for t in report.timings]}
 
 
-def write_report(path: Path, document: dict[str, Any]) -> None:
-    """Write the report whole (a temporary file, renamed), or nothing."""
-    tmp = path.with_name(f".{path.name[:200]}.partial-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(document, indent=2) + "\n")
-        tmp.replace(path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise ParameterError(f"--report {path}: cannot write it ({e.strerror or e}); nothing was kept") from e
-        raise
+def write_report(out: OutputFile, document: dict[str, Any]) -> None:
+    """Write the report whole, or nothing (as every output file: :func:`mlx_dgemma.paths.open_output`)."""
+    with open_output(out) as f:
+        f.write(json.dumps(document, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -900,11 +924,11 @@ def main(args: Any, perturb: Perturb | None = None, out: TextIO | None = None) -
     ``--report FILE`` is written either way (a failing machine's report is the one wanted)."""
     out = out or sys.stdout
     report_path = None
-    if getattr(args, "report", None):  # a path that cannot be written is refused before any check
-        from .trace import check_trace_path
+    if getattr(args, "report", None) is not None:  # refused before any check: unwritable, empty, an input
+        from .demo import trained_demo_path
 
-        report_path = check_trace_path(args.report, "--report", what="the report (JSON)",
-                                       example="doctor-report.json")
+        report_path = check_output_file(args.report, "--report", [args.model, trained_demo_path()],
+                                        example="doctor-report.json")
     tf32_env = os.environ.get(TF32_ENV)  # as the user started the process (doctor sets it for exact)
     cases = ("demo",) if args.quick else CASES
     report = run_doctor(args.model, cases=cases, precision=args.precision, layers=args.layers, perturb=perturb,
@@ -915,5 +939,5 @@ def main(args: Any, perturb: Perturb | None = None, out: TextIO | None = None) -
         out.write("\n".join(report.lines()) + "\n")
     if report_path is not None:
         write_report(report_path, report_document(report, args.model, tf32_env))
-        print(f"[doctor] report written to {report_path}: attach it to your issue", file=sys.stderr)
+        print(f"[doctor] report written to {report_path.given}: attach it to your issue", file=sys.stderr)
     return report.exit_code

@@ -28,6 +28,12 @@ class ParameterError(DGemmaError, ValueError):
         self.param, self.rule = param, rule
 
 
+class OutputError(DGemmaError):
+    """Standard output cannot take what the command prints: closed (``>&-``), or its disk is
+    full (``>/dev/full``). Exit status 2, as for bad input: 1 means "nothing fits" to ``plan``
+    and "a check failed" to ``verify`` and ``doctor``, which this is not."""
+
+
 class NonFiniteError(DGemmaError):
     """NaN or Inf where numbers must be finite: a weight (named) or the logits of a step (named)."""
 

@@ -25,6 +25,7 @@ import math
 import re
 import sys
 from dataclasses import asdict, dataclass
+from decimal import Decimal
 from typing import Any
 
 from .distributed import Split, param_slices
@@ -149,18 +150,31 @@ class Plan:
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 
 
+# The largest --memory-limit: a byte count any consumer (MLX's size_t, JSON readers) holds
+# exactly, far beyond any machine (9.2 EB).
+MAX_SIZE = 2**63 - 1
+
+
 def parse_size(text: str, flag: str = "--memory-limit") -> int:
-    """"14GB", "14.5G", "900MB", "16GiB" or a byte count -> bytes (GB = 1e9, GiB = 2**30)."""
+    """"14GB", "14.5G", "900MB", "16GiB" or a byte count -> bytes (GB = 1e9, GiB = 2**30), at
+    least one byte and at most :data:`MAX_SIZE`."""
     m = _SIZE.match(str(text))
     if not m:
         raise ParameterError(f"{flag} {text!r}: expected a size such as 14GB, 14.5G or 900MB")
-    value, unit = float(m.group(1)), (m.group(2) or "b").lower()
+    unit = (m.group(2) or "b").lower()
     mult = {"b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
             "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20,
             "gi": 2**30, "ti": 2**40}.get(unit)
-    if mult is None or not value > 0:
+    # exact decimal arithmetic: 400 digits are a number too large, not a float overflow
+    size = Decimal(m.group(1)) * mult if mult is not None else Decimal(0)
+    if mult is None or not size > 0:
         raise ParameterError(f"{flag} {text!r}: expected a positive size such as 14GB, 14.5G or 900MB")
-    return int(value * mult)
+    if size < 1:
+        raise ParameterError(f"{flag} {text!r}: less than one byte; give a size such as 14GB, 14.5G or 900MB")
+    if size > MAX_SIZE:
+        raise ParameterError(f"{flag} {text!r}: larger than any machine's memory (at most {MAX_SIZE} bytes); give a "
+                             "size such as 14GB, 14.5G or 900MB")
+    return int(size)
 
 
 def rank_inventory(inventory: list[TensorInfo], splits: dict[str, Split]) -> list[TensorInfo]:

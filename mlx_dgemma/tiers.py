@@ -72,11 +72,20 @@ def check_precision_dtype(precision: str, dtype: str | None) -> None:
                              "for bfloat16/float16 activations")
 
 
+# config.json's ``mlx_dgemma.weights``: a tier, or "compact" (fast's form under its older name)
+STORED_FORMS = (*TIERS, "compact")
+
+
 def stored_precision(config: dict) -> str:
-    """The form a converted directory's weights are in (config.json ``mlx_dgemma.weights``;
-    "compact", the older name of fast's form, reads as "fast")."""
-    w = (config.get("mlx_dgemma") or {}).get("weights", "exact")
-    return "fast" if w == "compact" else w if w in TIERS else "exact"
+    """The form a converted directory's weights are in (config.json ``mlx_dgemma.weights``,
+    exact where the section or the key is absent; "compact", the older name of fast's form,
+    reads as "fast"). ValueError for any other value: ``validate.check_config`` refuses those
+    first, naming the file; read as exact, a lossy directory would be taken for bit-exact."""
+    section = config.get("mlx_dgemma", {})
+    w = section.get("weights", "exact") if isinstance(section, dict) else None
+    if not (isinstance(w, str) and w in STORED_FORMS):
+        raise ValueError(f"config.json mlx_dgemma.weights = {w!r}: expected one of {', '.join(TIERS)}")
+    return "fast" if w == "compact" else w
 
 
 @dataclass(frozen=True)

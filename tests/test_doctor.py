@@ -60,7 +60,8 @@ def test_json_schema_with_a_model(capsys, tiny_model_dir):
     cases = {c["case"] for c in r["checks"]}
     assert cases == {"demo", "tiny (first 2 layers)"}
     for c in r["checks"]:
-        assert set(c) == {"case", "precision", "check", "value", "threshold", "ok", "detail", "provisional", "label"}
+        assert set(c) == {"case", "precision", "check", "value", "threshold", "ok", "detail", "provisional",
+                          "model_fault", "label"}
         assert c["check"] in ("kv", "logits", "argmax") and c["ok"] is True
 
 

@@ -20,6 +20,8 @@ from typing import Any
 from mlx_dgemma.errors import DGemmaError, ParameterError, hold_interrupts
 from mlx_dgemma.server.guard import SURGE, check_host_names, guarded_protocol, is_loopback
 
+API_KEY_ENV = "MLX_DGEMMA_API_KEY"  # the key when --api-key is not given
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The server's own flags (the model flags come from ``mlx_dgemma.cli``)."""
@@ -79,11 +81,20 @@ def check_args(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise ParameterError(f"--allowed-hosts {e}: must be a host name or address as clients type it (no scheme, "
                              "port or path), or '*' for any") from None
+    if not args.host.strip():  # bind("") is every interface: never what an empty value meant
+        raise ParameterError(f"--host {args.host!r}: an empty address; give 127.0.0.1 (this machine only, the "
+                             "default) or 0.0.0.0 (every network interface)")
+    source = "--api-key"
+    if args.api_key is None and API_KEY_ENV in os.environ:  # set, even empty: checked like the flag
+        args.api_key, source = os.environ[API_KEY_ENV], f"${API_KEY_ENV}"
     key = args.api_key
+    if key is not None and not key.strip():  # an empty key must not mean "no key" without a word
+        raise ParameterError(f"{source}: empty; give the key clients must send"
+                             + (f", or unset {API_KEY_ENV} to serve without one" if source != "--api-key" else ""))
     # HTTP trims a header's ends, and clients send non-ASCII header values as UTF-8 (curl), refuse
     # them (httpx, the openai client) or as Latin-1 (requests): such a key would lock most clients out
-    if key is not None and (not key.strip() or not key.isprintable() or not key.isascii() or key != key.strip()):
-        raise ParameterError("--api-key: must be a non-empty printable ASCII string without spaces at its ends")
+    if key is not None and (not key.isprintable() or not key.isascii() or key != key.strip()):
+        raise ParameterError(f"{source}: must be a non-empty printable ASCII string without spaces at its ends")
     for origin in args.cors or ():
         if origin == "*":
             continue
@@ -174,9 +185,7 @@ def follow(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """``mlx-dgemma serve``: check the flags, listen, load the model, serve until interrupted."""
-    if args.api_key is None:
-        args.api_key = os.environ.get("MLX_DGEMMA_API_KEY") or None
-    check_args(args)
+    check_args(args)  # --api-key, else $MLX_DGEMMA_API_KEY
     from mlx_dgemma.loader import check_model_choice
 
     check_model_choice(args.model, args.demo)
