@@ -24,7 +24,8 @@ from mlx_dgemma.cli import main
 from tests.hostile_util import promise
 from tests.test_hostile_rerun import _edit_config, _poison_safetensors
 
-GEN = ["--prompt", "hi", "--seed", "0", "--steps", "1", "--max-tokens", "32"]
+# one step a block: the commit guard (which would re-roll such blocks) off, as in the other mechanics tests
+GEN = ["--prompt", "hi", "--seed", "0", "--steps", "1", "--max-tokens", "32", "--commit-entropy", "0"]
 
 
 @pytest.fixture
@@ -325,11 +326,17 @@ def test_dev_full_for_real(work, tiny_model_dir):
 
 
 def test_standard_error_on_a_full_disk_keeps_the_answer(work, tiny_model_dir, capsys, monkeypatch):
-    # before: the first progress line raised OSError and the answer was never printed
+    # before: the first progress line ("[prefill] ...") raised OSError, the answer never printed
+    from mlx_dgemma.text import printable
+
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--raw", "--seed", "1", "--steps", "4",
+            "--max-tokens", "64"]
+    assert main([*argv, "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert text  # an answer to lose
     monkeypatch.setattr(sys, "stderr", _Full())
-    assert main(["generate", "--model", str(tiny_model_dir), *GEN, "--json"]) == 0
-    answer = json.loads(capsys.readouterr().out)
-    assert answer["finish_reason"] and "text" in answer
+    assert main(argv) == 0
+    assert capsys.readouterr().out == printable(text) + "\n"
 
 
 # --------------------------------------------------------------------------- 6: accepted silently
