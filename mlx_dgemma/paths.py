@@ -152,9 +152,10 @@ def _stat(path: str | os.PathLike) -> os.stat_result | None:
 
 
 def output_clash(path: str | os.PathLike, inputs: Iterable[str | os.PathLike]) -> str | None:
-    """How writing ``path`` would destroy one of ``inputs`` (None: it would not): ``path`` is that
-    input (the same resolved path, or the same file through a hard link), lies inside it (a
-    converted model directory's files) or contains it (an output directory around the input).
+    """How writing ``path`` would overwrite or mix with one of ``inputs`` (None: it would not):
+    ``path`` is that input (the same resolved path, or the same file through a hard link), lies
+    inside it (a converted model directory's files) or contains it (an output directory around
+    the input).
     Also this process's standard output or error where they are regular files: replacing the
     file the shell opened for ``> FILE`` loses what the command prints there."""
     real = Path(os.path.realpath(path))
