@@ -203,6 +203,18 @@ def test_bench_e2e_json_onto_its_model_is_refused(work, gguf, capsys):
              "--json", "is the input file")
 
 
+@pytest.mark.parametrize("report, words", [("MODEL", ["is the input file"]), ("", ["--report ''", "an empty path"])])
+def test_doctor_report_onto_its_model_or_empty_is_refused_before_any_check(work, gguf, capsys, report, words):
+    # before: the report replaced the GGUF after every check; '' was taken as no report
+    before = gguf.read_bytes()
+    code = main(["doctor", "--quick", "--model", str(gguf), "--report", str(gguf) if report == "MODEL" else report])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if not line.startswith("[doctor")]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("mlx-dgemma doctor: error: --report "), err
+    assert all(w in lines[0] for w in words) and out == "" and "demo" not in err
+    assert gguf.read_bytes() == before
+
+
 async def test_chat_trace_export_into_a_missing_directory_is_a_notice(work):
     # before: the export's ParameterError was not an OSError: the app crashed with a traceback
     from mlx_dgemma.tui.app import DGemmaApp
