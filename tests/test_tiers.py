@@ -279,6 +279,7 @@ def test_model_that_does_not_fit_is_refused_before_loading(tiny_gguf, capsys, mo
         raise AssertionError("weights were read")
 
     monkeypatch.setattr(loader, "load_gguf", no_loading)
+    monkeypatch.setattr("mlx_dgemma.launch.need_terminal", lambda command="chat": None)  # as in a terminal
     code = main(["generate", "--model", str(tiny_gguf), "--prompt", "hi", "--memory-limit", "1MB"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
@@ -302,6 +303,7 @@ def test_demo_that_does_not_fit_is_refused_like_any_model(capsys, monkeypatch):
 
     for module, name in ((loader, "load_gguf"), (tui_app, "run_app"), (server, "main")):
         monkeypatch.setattr(module, name, started)
+    monkeypatch.setattr("mlx_dgemma.launch.need_terminal", lambda command="chat": None)  # as in a terminal
     for command in (["generate", "--prompt", "hi"], ["chat"], ["serve"]):
         code = main([*command, "--demo", "--memory-limit", "1KB"])
         err = capsys.readouterr().err.strip().splitlines()
