@@ -28,6 +28,11 @@ class ParameterError(DGemmaError, ValueError):
         self.param, self.rule = param, rule
 
 
+class PlatformError(DGemmaError):
+    """This Python or this MLX cannot run the app here: an x86-64 Python on macOS (Rosetta or an
+    Intel Mac), a macOS older than MLX's wheels, or an MLX without Metal."""
+
+
 class NonFiniteError(DGemmaError):
     """NaN or Inf where numbers must be finite: a weight (named) or the logits of a step (named)."""
 
