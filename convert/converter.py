@@ -174,7 +174,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, precision: str = "exa
     source = GGUFSource(src, ARCH)
     if budget is not None or precision == "auto":
         try:
-            precision = _runs_where(source, precision, budget or offline_budget(), notice)
+            precision = choose_form(source, precision, budget or offline_budget(), notice)
         except BaseException:
             source.close()
             raise
@@ -212,10 +212,12 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, precision: str = "exa
     return report
 
 
-def _runs_where(source: GGUFSource, precision: str, budget: Budget, notice: Callable[[str], None] | None) -> str:
-    """The precision to write: ``precision``, or for ``auto`` the most exact form that runs in
-    ``budget`` (a :class:`ConvertError` when none does); ``notice`` is told, before anything is
-    written, when the form written will not run there, and what would."""
+def choose_form(source: GGUFSource, precision: str, budget: Budget, notice: Callable[[str], None] | None) -> str:
+    """The precision to write from ``source`` (a :class:`GGUFSource`: its shape and inventory):
+    ``precision``, or for ``auto`` the most exact form that runs in ``budget`` (a
+    :class:`ConvertError` when none does); ``notice`` is told, before anything is written, when
+    the form written will not run there, and what would (the memory plan's figures,
+    :mod:`mlx_dgemma.plan`)."""
     plan = make_plan(source.path.name, source.args, [TensorInfo(*t) for t in source.inventory()], "gguf",
                      budget=budget, gguf=str(source.path))
     big = max(plan.available_bytes, plan.row("exact").resident_bytes) >= 1e9

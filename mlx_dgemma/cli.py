@@ -114,6 +114,13 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
                         "working set, or available RAM); a precision that does not fit is refused before loading")
 
 
+def memory_limit_bytes(args: argparse.Namespace) -> int | None:
+    """``--memory-limit`` in bytes, or None: the one budget, for the plan and every prompt."""
+    from .plan import parse_size
+
+    return parse_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
+
+
 def planned_precision(args: argparse.Namespace) -> str:
     """--precision after the memory plan (auto -> the most exact form that fits --memory-limit or
     the device); refuses, in one line, a model that does not fit. Nothing is loaded."""
@@ -123,9 +130,9 @@ def planned_precision(args: argparse.Namespace) -> str:
     # (the server then started anyway) or aborted the process; reading a header takes a moment
     with hold_interrupts():
         from .loader import plan_model
-        from .plan import choose_across_ranks, parse_size
+        from .plan import choose_across_ranks
 
-        limit = parse_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
+        limit = memory_limit_bytes(args)
         if getattr(args, "demo", False):  # the demo is a model file like any other: planned the same
             from .demo import demo_file
 
@@ -288,10 +295,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     with hold_interrupts():
         from .events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
         from .generation import stream_generate
-        from .plan import parse_size
         from .text import printable
-    limit = parse_size(args.memory_limit) if args.memory_limit else None
-    runtime = load_for_cli(model_path, args.demo, args.dtype, args.precision, limit)
+    runtime = load_for_cli(model_path, args.demo, args.dtype, args.precision, memory_limit_bytes(args))
     model, tokenizer, gen_cfg = runtime.model, runtime.tokenizer, runtime.generation_config
     check_sampler_flags(overrides, gen_cfg)  # against the model's own defaults
     if runtime.demo_kind is not None and not args.json:
@@ -411,9 +416,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     if ranks:
         with rank_terminal("chat"):
             return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
-                           think=args.think, system=args.system)
+                           think=args.think, system=args.system, memory_limit=memory_limit_bytes(args))
     return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
-                   think=args.think, system=args.system)
+                   think=args.think, system=args.system, memory_limit=memory_limit_bytes(args))
 
 
 def _follow_chat(args: argparse.Namespace, precision: str) -> int:
@@ -432,7 +437,7 @@ def _follow_chat(args: argparse.Namespace, precision: str) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    run_follower(load_for_cli(args.model, args.demo, args.dtype, precision), "chat")
+    run_follower(load_for_cli(args.model, args.demo, args.dtype, precision, memory_limit_bytes(args)), "chat")
 
 
 CHAT_EPILOG = """\
@@ -495,9 +500,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     with hold_interrupts():  # MLX and mlx-lm (transformers, torch): native inits that lose or abort on Ctrl+C
         from .loader import plan_model
-        from .plan import parse_size
 
-    limit = parse_size(args.memory_limit) if args.memory_limit else None
+    limit = memory_limit_bytes(args)
     if args.machine is not None:
         from .errors import ParameterError
         from .machines import machine

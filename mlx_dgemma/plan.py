@@ -73,11 +73,11 @@ def offline_budget(memory_limit: int | None = None, machine: Machine | None = No
     from .machines import this_mac
     from .memory import system_available_bytes
 
-    mac = this_mac() if memory_limit is None and machine is None else None
     if memory_limit is not None:
         return Budget(memory_limit, "--memory-limit", None, sys.platform == "darwin")
-    if machine is not None or mac is not None:
-        return machine_budget(machine or mac)
+    machine = machine or this_mac()
+    if machine is not None:
+        return machine_budget(machine)
     avail = system_available_bytes()
     return Budget(avail if avail is not None else 1 << 62, "this machine's available RAM", None, False)
 
@@ -163,14 +163,11 @@ class Plan:
         """The command that writes ``precision``'s form: from this .gguf, or the one this
         directory was converted from (config.json names it), to a directory beside it."""
         src = self.gguf or "FILE.gguf"
-        if self.stored == "gguf":
-            dst = f"~/models/dgemma-{precision}"
-        else:
-            dst = f"{self.model.rstrip('/')}-{precision}"
-        if precision == "exact":  # convert's default: the name README uses
-            dst = "~/models/dgemma" if self.stored == "gguf" else f"{self.model.rstrip('/')}-exact"
-        flag = "" if precision == "exact" else f" --precision {precision}"
-        return f"mlx-dgemma convert {src} {dst}{flag}"
+        if self.stored != "gguf":
+            return f"mlx-dgemma convert {src} {self.model.rstrip('/')}-{precision} --precision {precision}"
+        if precision == "exact":  # convert's default, to the directory README names
+            return f"mlx-dgemma convert {src} ~/models/dgemma"
+        return f"mlx-dgemma convert {src} ~/models/dgemma-{precision} --precision {precision}"
 
     def wired_hint(self, precision: str) -> str | None:
         """On a Mac, the ``sysctl`` that raises the GPU's limit so ``precision`` fits (converted
@@ -182,9 +179,8 @@ class Plan:
         if m is None:
             return None
         r = self.row(precision)
-        stored_so = r.loadable and self.stored == precision
-        need = r.needed_bytes if stored_so else r.resident_bytes
-        mb = math.ceil((need + GiB) / MiB)  # 1 GiB over the plan's figure: the process's own memory
+        stored_so = r.loadable and self.stored == precision  # loads as stored: nothing else held first
+        mb = math.ceil((r.resident_bytes + GiB) / MiB)  # 1 GiB over the plan's figure: the process's own memory
         if mb * MiB > m.max_wired_limit_bytes:
             return None
         left = (m.ram_bytes - mb * MiB) / 1e9
