@@ -451,7 +451,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [f"| Mac | GPU working set (Metal's default) | forms that fit | `auto` from {source} | what to run |",
              "| --- | --- | --- | --- | --- |"]
     for r in rows:
-        ws = f"{r['working_set_bytes'] / 1e9:.2f} GB" + ("" if not r["measured"] else " (measured)")
+        ws = f"{r['working_set_bytes'] / 1e9:.2f} GB" + ("" if not r["measured"] else " (logged on a Mac)")
         forms = ", ".join(r["forms"]) or f"none ({TIERS[-1]}, the smallest, needs {r['smallest_bytes'] / 1e9:.2f} GB)"
         if r["command"] is not None:
             run = f"`{r['command']}`"
