@@ -312,7 +312,7 @@ def disconnects(server: Server, body: dict, client_body: dict, n: int = 4) -> di
         stream = i < n
         payload = json.dumps({**body, "stream": stream, "seed": 1000 + i}).encode() if stream else data
         s = socket.create_connection(("127.0.0.1", port), timeout=60)
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         socks.append((s, stream))
     for s, stream in socks:

@@ -89,7 +89,7 @@ def _flags(**kw):
     import argparse
 
     base = dict(queue_size=1, max_body_mb=1.0, max_request_steps=1, max_request_seconds=None, max_connections=1,
-                header_timeout=1.0, api_key=None, cors=None)
+                header_timeout=1.0, body_timeout=1.0, api_key=None, cors=None, allowed_hosts=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -100,6 +100,10 @@ def _flags(**kw):
     # a browser's Origin has no path: the origin given itself was refused ("Disallowed CORS origin")
     ({"cors": ["http://app.example/"]}, "--cors http://app.example/"),
     ({"cors": ["https://app.example/chat?x"]}, "--cors https://app.example/chat?x"),
+    # a Host header's name never carries a scheme, a path or (as compared) a port
+    ({"allowed_hosts": ["http://my.box"]}, "--allowed-hosts http://my.box"),
+    ({"allowed_hosts": ["my.box:8080"]}, "--allowed-hosts my.box:8080"),
+    ({"body_timeout": 0.0}, "--body-timeout"),
 ])
 def test_flags_that_could_never_match_a_request_are_refused(flags, named):
     from mlx_dgemma.errors import ParameterError
@@ -113,7 +117,8 @@ def test_flags_that_could_never_match_a_request_are_refused(flags, named):
 def test_a_bare_origin_and_an_ascii_key_pass_the_checks():
     from mlx_dgemma.server.cli import check_args
 
-    check_args(_flags(api_key="s3cret key", cors=["http://app.example", "https://[::1]:8443", "*"]))
+    check_args(_flags(api_key="s3cret key", cors=["http://app.example", "https://[::1]:8443", "*"],
+                      allowed_hosts=["my.box", "10.0.0.2", "[::1]", "*"]))
 
 
 def test_a_request_dropped_before_it_ran_counts_as_cancelled():

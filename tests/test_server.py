@@ -24,7 +24,9 @@ from mlx_dgemma.chat_template import THOUGHT_CLOSE, THOUGHT_OPEN  # noqa: E402
 from mlx_dgemma.server import Answer, Deltas  # noqa: E402
 
 QUEUE = 2  # waiting requests before 503
-FAST = {"max_denoising_steps": 1}  # sent as extra body fields: one block, one step
+# sent as extra body fields: one block, one step; a one-step block never meets the stopping rule,
+# so the commit guard (tested in test_guards.py) is off for these tests of the server's mechanics
+FAST = {"max_denoising_steps": 1, "commit_entropy": 0}
 MODEL = "mlx-dgemma-demo"
 
 
@@ -345,7 +347,7 @@ def test_disconnect_mid_stream_cancels(server):
     body = json.dumps({"model": MODEL, "stream": True, "seed": 0, "max_tokens": 64 * 8, "max_denoising_steps": 4,
                        "diffusion": {"stream_steps": True}, "messages": [{"role": "user", "content": "long"}]})
     sock = socket.create_connection((server.host, server.port))
-    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
     buf = b""
     while b'"type":"step"' not in buf:

@@ -56,7 +56,8 @@ def msg(text: str = "hi", **kw: Any) -> dict:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     s = Server(str(tmp_path_factory.mktemp("demo")), "--queue-size", "2", "--max-body-mb", "2",
-               "--max-request-steps", "400", "--max-connections", "12", "--header-timeout", "1")
+               "--max-request-steps", "400", "--max-connections", "12", "--header-timeout", "1",
+               "--body-timeout", "2")
     try:
         s.wait_ready(300)
         yield s
@@ -67,7 +68,7 @@ def srv(tmp_path_factory):
 def send_raw_request(srv: LiveServer, body: dict) -> socket.socket:
     data = json.dumps(body)
     sock = socket.create_connection((srv.host, srv.port))
-    sock.sendall(f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST {C} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n{data}".encode())
     return sock
 
@@ -129,29 +130,27 @@ def test_huge_prompt_does_not_stall_health(srv):
 # --------------------------------------------------------------------------- F2: silent clients, connection limit
 
 
-def test_silent_connections_are_closed_and_the_limit_refuses_cleanly(srv):
+def test_silent_connections_are_closed_and_make_room_for_newcomers(srv):
     idle(srv)
     silent = [socket.create_connection((srv.host, srv.port)) for _ in range(20)]  # over --max-connections 12
     try:
         for s in silent:
             s.settimeout(10)
-        # over the limit: refused at once with a 503 body; under it: closed after --header-timeout 1
-        answers = [s.recv(65536) for s in silent]
-        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
-        assert len(refused) >= 8 and all(b"too_many_connections" in a for a in refused), answers[:3]
-        assert all(s.recv(65536) == b"" for s in silent)  # every one closed (recv ends with EOF)
+        # over the limit, the oldest (they asked nothing) are closed without a word to make room;
+        # the others after --header-timeout 1: every one ends, none holds its place
+        assert all(s.recv(65536) == b"" for s in silent)
     finally:
         for s in silent:
             s.close()
     assert srv.raw("GET", "/health")[0] == 200
-    refusals = [ln for ln in srv.lines if "refused" in ln and "connection" in ln]
-    assert 1 <= len(refusals) <= 2, refusals  # rate-limited: not one line per connection
+    room = [ln for ln in srv.lines if "to make room" in ln and "connection" in ln]
+    assert 1 <= len(room) <= 2, room  # rate-limited: not one line per connection
 
 
 def test_stalled_body_is_answered_408(srv):
     sock = socket.create_connection((srv.host, srv.port))
     try:
-        sock.sendall(f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"POST {C} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      "Content-Length: 1000\r\n\r\n{\"messages\"".encode())
         sock.settimeout(15)
         data = b""

@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, the error handlers, the request log and the body limit.
+"""The FastAPI application: routes, the error handlers, the request log, the request guard
+(:mod:`mlx_dgemma.server.guard`'s rules: Host, Origin, API key, Content-Type) and the body limit.
 
 The :class:`~mlx_dgemma.server.engine.Engine` lives in ``app.state.engine`` and reaches the
 routes through ``Depends(get_engine)``; the lifespan starts it (unless the command line
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -31,6 +31,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from .engine import Engine, Job, normalize_messages, tools_for
 from .errors import APIError
+from .guard import refusal
 from .openai import Deltas, Formatter, model_card, sse
 from .schemas import ChatRequest, CompletionRequest, Sampling
 
@@ -46,26 +47,16 @@ class Settings:
     """The HTTP side's settings (the command line's flags)."""
 
     max_body_bytes: int = 16 << 20
-    read_timeout: float = 10.0  # a request body that stalls this long is answered 408
+    body_timeout: float = 30.0  # a request body not received whole this long after its head is answered 408
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on every route but /health
-    cors_origins: tuple[str, ...] = ()  # origins browsers may call from (none: CORS off)
+    cors_origins: tuple[str, ...] = ()  # origins browsers may call from (none: CORS off, any Origin refused)
+    # Host names answered besides loopback ones (None: any Host; the command line checks it on a loopback bind)
+    allowed_hosts: tuple[str, ...] | None = None
 
 
 def get_engine(request: Request) -> Engine:
     """The running engine (``Depends`` target)."""
     return request.app.state.engine
-
-
-def require_api_key(request: Request) -> None:
-    """With ``--api-key``: the request must carry it as a bearer token (401 otherwise)."""
-    key = request.app.state.settings.api_key
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
-        raise APIError(401, "Authorization: missing or wrong API key; send 'Authorization: Bearer <key>' "
-                       "with the key the server was started with (--api-key)", code="invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})
 
 
 def _log_info(request: Request) -> dict[str, Any]:
@@ -207,14 +198,32 @@ class RequestLog:
                      time.perf_counter() - t0, " ".join(fields))
 
 
+class Guard:
+    """Before routing and before the body is read: a request that ``guard.refusal`` refuses
+    (Host, Origin, API key, Content-Type) is answered with its error; inside CORS, so that a
+    preflight is answered by CORS and an allowed page can read a 401."""
+
+    def __init__(self, app: Any, settings: Settings):
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            s = self.settings
+            e = refusal(scope, allowed_hosts=s.allowed_hosts, origins=s.cors_origins, api_key=s.api_key)
+            if e is not None:
+                scope.setdefault(LOG_INFO, {})["error"] = e.code
+                return await _error(e)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 class BodyLimit:
     """Reads a request body up to ``max_body_bytes`` before routing: beyond it, 413 (the rest
     is read and dropped so that the client can read the answer; past MAX_DRAIN_BYTES the
-    connection is closed). The body is then replayed to the app, which reads it as JSON
-    whatever its Content-Type (``curl -d`` sends a form type)."""
+    connection is closed). The whole body must arrive within ``body_timeout`` seconds (a total,
+    not a gap between bytes: 408). The body is then replayed to the app."""
 
-    def __init__(self, app: Any, max_body_bytes: int, read_timeout: float):
-        self.app, self.limit, self.read_timeout = app, max_body_bytes, read_timeout
+    def __init__(self, app: Any, max_body_bytes: int, body_timeout: float):
+        self.app, self.limit, self.body_timeout = app, max_body_bytes, body_timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
@@ -224,12 +233,17 @@ class BodyLimit:
         too_big = bool(declared.isdigit() and int(declared) > self.limit)
         body = bytearray()
         seen = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
+        whole = False
         while True:
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout)
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
-                e = APIError(408, f"body: nothing received for {self.read_timeout:g} s; send the whole body at once",
-                             code="request_timeout")
+                if too_big:  # what the client must hear is the size, not the pace
+                    break
+                e = APIError(408, f"body: not received whole within {self.body_timeout:g} s (--body-timeout); "
+                             "send the whole body at once", code="request_timeout")
                 scope.setdefault(LOG_INFO, {})["error"] = e.code
                 response = _error(e)
                 response.headers["connection"] = "close"
@@ -244,16 +258,18 @@ class BodyLimit:
             elif seen > MAX_DRAIN_BYTES:
                 break
             if not message.get("more_body", False):
+                whole = True
                 break
         if too_big:
             e = APIError(413, f"body: {max(seen, int(declared or 0))} bytes is over the limit of {self.limit}; "
                          "send a smaller request (or start the server with a larger --max-body-mb)",
                          code="body_too_large")
             scope.setdefault(LOG_INFO, {})["error"] = e.code
-            return await _error(e)(scope, receive, send)
+            response = _error(e)
+            if not whole:  # the rest is not read
+                response.headers["connection"] = "close"
+            return await response(scope, receive, send)
         scope[RAW_BODY] = bytes(body)
-        scope["headers"] = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"] + \
-            [(b"content-type", b"application/json")]
         replayed = False
 
         async def _receive() -> dict:
@@ -268,8 +284,8 @@ class BodyLimit:
 
 # --------------------------------------------------------------------------- routes
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
-open_router = APIRouter()  # no key needed: liveness probes
+router = APIRouter()
+open_router = APIRouter()  # no key needed (guard.OPEN_PATHS): liveness probes
 
 
 @open_router.api_route("/health", methods=["GET", "HEAD"])
@@ -429,7 +445,8 @@ async def _stream(job: Job, fmt: Formatter, watcher: asyncio.Task, include_usage
                     yield sse(fmt.delta(tool_calls=calls))
                 # the timings go in the stream's last chunk (llama.cpp's place for them)
                 timings = {"timings": payload.timings} if payload.timings is not None else {}
-                yield sse({**fmt.delta(finish=payload.finish_reason), **({} if include_usage else timings)})
+                yield sse({**fmt.delta(finish=payload.finish_reason, detail=payload.finish_detail),
+                           **({} if include_usage else timings)})
                 if include_usage:
                     yield sse({**fmt.extra(), "usage": payload.usage, **timings})
                 yield "data: [DONE]\n\n"
@@ -487,7 +504,8 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     app.include_router(open_router)
     app.include_router(router)
-    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, read_timeout=settings.read_timeout)
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, body_timeout=settings.body_timeout)
+    app.add_middleware(Guard, settings=settings)
     if settings.cors_origins:
         app.add_middleware(CORS, allow_origins=list(settings.cors_origins),
                            allow_methods=["GET", "HEAD", "POST", "OPTIONS"], allow_headers=["*"], max_age=600)

@@ -1,5 +1,5 @@
 """``mlx-dgemma serve``: the server's flags, their checks (all before the model loads), the
-listening socket, the connection guard, and uvicorn.
+listening socket, and uvicorn with the connection guard (:mod:`mlx_dgemma.server.guard`).
 
 This module imports nothing heavy at its top (``mlx-dgemma --help`` builds every parser);
 the model flags (``--model``, ``--demo``, precision) are the command line's shared ones,
@@ -14,15 +14,11 @@ import math
 import os
 import socket
 import sys
-import time
 import urllib.parse
 from typing import Any
 
 from mlx_dgemma.errors import DGemmaError, ParameterError, hold_interrupts
-
-log = logging.getLogger("mlx_dgemma.server")
-
-REFUSAL_LOG_SECONDS = 10.0  # refused connections are logged at most once per this many seconds
+from mlx_dgemma.server.guard import SURGE, check_host_names, guarded_protocol, is_loopback
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -39,16 +35,26 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="stop a request's generation after S seconds, answering what is done with "
                         "finish_reason 'length' (default: no limit)")
     p.add_argument("--max-connections", type=int, default=256, metavar="N",
-                   help="open connections at most; more are refused with 503 and closed (default 256)")
+                   help="connections kept open (default 256): past N, the oldest that carry no whole request "
+                        "(silent, idle, still sending) are closed to make room; a newcomer is refused with 503 "
+                        "only when every connection carries a request being answered")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                         "$MLX_DGEMMA_API_KEY, else none)")
     p.add_argument("--cors", action="append", default=None, metavar="ORIGIN",
                    help="let browser pages from ORIGIN call the API (repeat it, or '*' for any; default: "
-                        "none, so that a web page cannot drive a local server)")
+                        "none: a request with any other Origin is refused, so that a web page cannot drive "
+                        "a local server)")
+    p.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME",
+                   help="answer requests whose Host header is NAME (repeat it, or '*' for any): on a loopback "
+                        "--host only localhost, 127.x.x.x and [::1] are answered by default (against DNS "
+                        "rebinding); on another --host every name is, unless this is given")
     p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
-                   help="close a connection that has not sent a whole request head within S seconds, "
-                        "and a body that stalls for S seconds (default 10)")
+                   help="a request head must arrive whole within S seconds, else the connection is closed "
+                        "(default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="a request body must arrive whole within S seconds of its head, else 408 and the "
+                        "connection is closed (default 30)")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -67,6 +73,12 @@ def check_args(args: argparse.Namespace) -> None:
     if args.max_connections < 1:
         raise ParameterError(f"--max-connections {args.max_connections}: must be at least 1")
     finite("--header-timeout", args.header_timeout, 0.1, 3600)
+    finite("--body-timeout", args.body_timeout, 0.1, 3600)
+    try:
+        check_host_names(args.allowed_hosts or [])
+    except ValueError as e:
+        raise ParameterError(f"--allowed-hosts {e}: must be a host name or address as clients type it (no scheme, "
+                             "port or path), or '*' for any") from None
     key = args.api_key
     # HTTP trims a header's ends, and clients send non-ASCII header values as UTF-8 (curl), refuse
     # them (httpx, the openai client) or as Latin-1 (requests): such a key would lock most clients out
@@ -83,12 +95,9 @@ def check_args(args: argparse.Namespace) -> None:
                                  f"such as {bare}")
 
 
-LOOPBACK = ("127.", "::1", "localhost")
-
-
 def host_warning(host: str, api_key: str | None) -> str | None:
     """A line for a server reachable from other machines without a key, else None."""
-    if api_key is None and not host.startswith(LOOPBACK):
+    if api_key is None and not is_loopback(host):
         return (f"mlx-dgemma serve: warning: listening on {host} without --api-key: anyone who can reach "
                 "this port can use the model")
     return None
@@ -110,14 +119,14 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def _raise_fd_limit(connections: int) -> None:
-    """Open files: room for ``connections`` plus the model's files and the log (raised up to the
-    hard limit); where that is not possible, refuse the flag: past the limit every accept fails
-    and asyncio logs each failure, thousands of lines a second."""
+    """Open files: room for ``connections`` and the guard's surge of newcomers, plus the model's
+    files and the log (raised up to the hard limit); where that is not possible, refuse the flag:
+    past the limit every accept fails and asyncio logs each failure, thousands of lines a second."""
     try:
         import resource
     except ImportError:  # not POSIX
         return
-    want = connections + 64
+    want = connections + SURGE + 64
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= want:
         return
@@ -128,84 +137,8 @@ def _raise_fd_limit(connections: int) -> None:
         target = soft
     if target < want:
         raise ParameterError(f"--max-connections {connections}: this process may open only {target} files "
-                             f"(ulimit -n); lower --max-connections to at most {max(1, target - 64)} or raise the limit")
-
-
-class _RefusalLog:
-    """Counts refused connections and logs them at most once per REFUSAL_LOG_SECONDS (a flood
-    of clients must not become a flood of log lines)."""
-
-    def __init__(self) -> None:
-        self.count, self.last = 0, -math.inf
-
-    def note(self, why: str) -> None:  # on the event loop's thread only
-        self.count += 1
-        now = time.monotonic()
-        if now - self.last >= REFUSAL_LOG_SECONDS:
-            log.warning("refused %d connection(s): %s (logged at most every %g s)", self.count, why,
-                        REFUSAL_LOG_SECONDS)
-            self.count, self.last = 0, now
-
-
-def guarded_protocol(max_connections: int, header_timeout: float) -> type:
-    """uvicorn's h11 protocol with a connection limit (over it: a 503 and close, logged at
-    most every few seconds) and a timeout for a request head (silent or slow clients are
-    closed, so they cannot hold connections and file descriptors)."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    body = b'{"error":{"message":"server busy: too many open connections; retry later","type":"server_error",' \
-           b'"param":null,"code":"too_many_connections"}}'
-    refusal = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-               b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    refused = _RefusalLog()
-
-    class GuardedH11Protocol(H11Protocol):
-        _refused = False
-        _head_timer: Any = None
-
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            if len(self.connections) >= max_connections:
-                self._refused, self.transport = True, transport
-                transport.write(refusal)
-                transport.close()
-                refused.note(f"{max_connections} connections are open (--max-connections)")
-                return
-            super().connection_made(transport)
-            self._arm()
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._head_timer = self.loop.call_later(header_timeout, self._head_timeout)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_timeout(self) -> None:
-            self._head_timer = None
-            # IDLE: the request head is not complete yet (a silent or a slow client)
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()
-
-        def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return
-            if self._head_timer is None and self.conn.their_state is h11.IDLE:
-                self._arm()  # the first bytes of a request on a kept-alive connection
-            super().data_received(data)
-
-        def on_response_complete(self) -> None:
-            self._disarm()  # between requests the keep-alive timeout applies
-            super().on_response_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            if not self._refused:
-                super().connection_lost(exc)
-
-    return GuardedH11Protocol
+                             f"(ulimit -n); lower --max-connections to at most {max(1, target - SURGE - 64)} "
+                             "or raise the limit")
 
 
 def _settings(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -214,8 +147,11 @@ def _settings(args: argparse.Namespace) -> tuple[Any, Any]:
 
     limits = Limits(queue_size=args.queue_size, max_request_steps=args.max_request_steps,
                     max_request_seconds=args.max_request_seconds)
-    settings = Settings(max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.header_timeout,
-                        api_key=args.api_key, cors_origins=tuple(args.cors or ()))
+    # the Host is checked on a loopback bind (DNS rebinding), elsewhere only where names are given
+    hosts = check_host_names(args.allowed_hosts or [])
+    settings = Settings(max_body_bytes=int(args.max_body_mb * (1 << 20)), body_timeout=args.body_timeout,
+                        api_key=args.api_key, cors_origins=tuple(args.cors or ()),
+                        allowed_hosts=hosts if hosts or is_loopback(args.host) else None)
     return limits, settings
 
 
@@ -288,10 +224,12 @@ def main(args: argparse.Namespace) -> int:
     try:
         with hold_interrupts():  # until uvicorn takes the signals over in server.run
             app = create_app(engine, settings)
-            # keep-alive 30 s: clients that reuse a connection between turns rarely find it closed
+            # keep-alive 30 s: clients that reuse a connection between turns rarely find it closed;
+            # no WebSocket protocol: an upgraded connection would leave the guard (limit, deadlines)
             config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10,
-                                    timeout_keep_alive=30,
-                                    http=guarded_protocol(args.max_connections, args.header_timeout))
+                                    timeout_keep_alive=30, ws="none",
+                                    http=guarded_protocol(args.max_connections, args.header_timeout,
+                                                          args.body_timeout))
             config.load()  # its imports (protocols, loop) here, not in server.run before the signals are taken
             server = Server(config)
     except KeyboardInterrupt:

@@ -609,7 +609,7 @@ class Engine:
             job.stats.update(prompt=cached + prefill, cached=cached, completion=answer.completion_tokens,
                              reasoning=answer.reasoning_tokens, finish=answer.finish_reason)
             r = Result(answer.content, answer.reasoning, answer.finish_reason, usage, tuple(answer.tool_calls),
-                       logprobs(), clock.timings(cached, prefill, answer.completion_tokens))
+                       logprobs(), clock.timings(cached, prefill, answer.completion_tokens), answer.finish_detail)
             job.stats["answer_s"] = round(time.perf_counter() - job.started, 4)
             job.answered = True
             job.emit("done", r)
@@ -622,12 +622,13 @@ class Engine:
                     job.emit("step", self._step_payload(ev))
             elif isinstance(ev, BlockEvent):
                 clock.block(ev.steps)
-                answer.add(ev.tokens, ev.text, ev.thinking)
+                answer.add(ev.tokens, ev.text, ev.thinking, ev.end)
                 if job.logprobs is not None and ev.logprobs is not None:
                     entries += [self._logprob_entry(t, lp, ids, lps) for t, lp, ids, lps in
                                 zip(ev.tokens, ev.logprobs.tolist(), ev.top_ids.tolist(), ev.top_logprobs.tolist())]
                 if job.stream_steps:
-                    job.emit("step", {"type": "block", "block": ev.block, "steps": ev.steps, "finished": ev.finished})
+                    job.emit("step", {"type": "block", "block": ev.block, "steps": ev.steps, "finished": ev.finished,
+                                      **({"end": ev.end} if ev.end else {})})
                 # a snapshot: the worker goes on mutating answer
                 job.emit("text", (*answer.streamable(), tuple(answer.tool_calls), logprobs()))
                 last = ev.finished or ev.block >= n_blocks  # blocks count from 1
