@@ -218,7 +218,7 @@ def test_memory_limit_is_every_prompts_budget_too(monkeypatch, capsys):
                  "--seed", "0", "--memory-limit", "2GB", "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert json.loads(out)["tokens"]
+    assert json.loads(out)["steps"] >= 1  # past the prompt's memory check: it denoised
 
 
 def test_a_prompt_over_the_limit_is_refused_naming_it():
