@@ -329,14 +329,18 @@ def _one_step(runtime: Any, cache: Any, canvas: int, rng: np.random.Generator) -
 
 
 def available_bytes() -> int:
-    """The machine's available memory now (Linux MemAvailable)."""
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    """The machine's available memory now (Linux MemAvailable, macOS vm_stat; no /proc needed)."""
+    from mlx_dgemma.memory import system_available_bytes  # imports no MLX
+
+    avail = system_available_bytes()
+    return avail if avail is not None else total_bytes()
 
 
 def total_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    """The machine's RAM (sysconf: Linux and macOS)."""
+    from mlx_dgemma.rss import physical_ram_bytes
+
+    return physical_ram_bytes()
 
 
 def on_disk_tiers() -> tuple[str, ...]:

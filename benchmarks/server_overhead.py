@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 PROMPT = "Why is the sky blue?"
 
@@ -227,14 +226,10 @@ def main() -> int:
 
 
 def rss_bytes(pid: int) -> int:
-    """The resident set of process ``pid`` (Linux /proc; 0 where it cannot be read)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    """The resident set of process ``pid`` (Linux /proc, else ``ps``: macOS too; 0 where unknown)."""
+    from mlx_dgemma.rss import process_rss_bytes
+
+    return process_rss_bytes(pid)
 
 
 def percentile(xs: list[float], q: float) -> float:

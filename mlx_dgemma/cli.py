@@ -32,6 +32,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     if not (math.isfinite(args.max_shard_gb) and 0.001 <= args.max_shard_gb <= 1e6):
         raise ParameterError(f"--max-shard-gb {args.max_shard_gb}: must be a number of GB in [0.001, 1e6]")
+    if args.machine is not None and args.memory_limit is not None:
+        raise ParameterError(f"--machine {args.machine} --memory-limit {args.memory_limit}: give one of them "
+                             "(a Mac's budget is its GPU's default working set)")
+    from .machines import machine
+    from .plan import offline_budget
+
+    # where the output must run (no MLX: the converter never imports it): --machine, --memory-limit,
+    # else this machine; told before anything is written when the form will not run there
+    budget = offline_budget(memory_limit(args), machine(args.machine) if args.machine else None)
     check_gguf_input(args.gguf)  # a mistyped path fails before the converter's imports
     from mlx_dgemma.convert.converter import REPORT_FILE, convert
 
@@ -41,9 +50,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     bar = ProgressBar("converting")
     report = convert(args.gguf, args.out_dir, precision=args.precision, force=args.force,
                      max_shard_bytes=int(args.max_shard_gb * 1e9),
-                     progress=lambda done, total, i, n, name: bar.update(done, total, f"{i}/{n} {name}"))
-    try:
-        print("\n".join(report.summary_lines()), flush=True)
+                     progress=lambda done, total, i, n, name: bar.update(done, total, f"{i}/{n} {name}"),
+                     budget=budget, notice=lambda line: print(line, file=sys.stderr, flush=True))
+    try:  # with --verify, its error line (recomputed from the GGUF) is the one printed
+        print("\n".join(report.summary_lines(errors=not args.verify)), flush=True)
     except OutputError as e:  # the directory is whole: say so, not just that the summary was lost
         raise OutputError(f"{e} (the conversion itself is complete: {report.output}, its summary in "
                           f"{REPORT_FILE} there)") from None
@@ -435,9 +445,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     if ranks:
         with rank_terminal("chat"):
             return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
-                           think=args.think, system=args.system)
+                           think=args.think, system=args.system, memory_limit=memory_limit(args))
     return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
-                   think=args.think, system=args.system)
+                   think=args.think, system=args.system, memory_limit=memory_limit(args))
 
 
 def _follow_chat(args: argparse.Namespace, precision: str) -> int:
@@ -456,7 +466,7 @@ def _follow_chat(args: argparse.Namespace, precision: str) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    run_follower(load_for_cli(args.model, args.demo, args.dtype, precision), "chat")
+    run_follower(load_for_cli(args.model, args.demo, args.dtype, precision, memory_limit(args)), "chat")
 
 
 CHAT_EPILOG = """\
@@ -524,18 +534,35 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from .loader import plan_model
 
     limit = memory_limit(args)
+    if args.machine is not None:
+        from .errors import ParameterError
+        from .machines import machine
+
+        if limit is not None:
+            raise ParameterError(f"--machine {args.machine} --memory-limit {args.memory_limit}: give one of them "
+                                 "(a Mac's budget is its GPU's default working set)")
+        if args.machine != "all":
+            machine(args.machine)  # a misspelt name fails before the model is read
+    if args.machine == "all":  # every preset: "which Mac, which form, which command"
+        from .loader import model_inventory
+        from .plan import machine_table, markdown_table
+
+        margs, inventory, stored = model_inventory(args.model)
+        rows = machine_table(args.model, margs, inventory, stored, args.context)
+        print(json.dumps(rows, indent=2) if args.json else "\n".join(markdown_table(rows)))
+        return 0 if any(r["auto"] for r in rows) else 1
     if args.ranks is None:  # this process's share under mlx.launch, else the whole model
-        plan = plan_model(args.model, limit, args.context)
+        plan = plan_model(args.model, limit, args.context, machine=args.machine)
     else:
         if not 1 <= args.ranks <= 64:
             from .errors import ParameterError
 
             raise ParameterError(f"--ranks {args.ranks}: must be a number of Macs (processes) in [1, 64]")
         # the ranks' shares differ by a vocabulary row at most: show the largest
-        plan = max((plan_model(args.model, limit, args.context, ranks=args.ranks, rank=r) for r in range(args.ranks)),
-                   key=lambda p: p.row("exact").needed_bytes)
+        plan = max((plan_model(args.model, limit, args.context, ranks=args.ranks, rank=r, machine=args.machine)
+                    for r in range(args.ranks)), key=lambda p: p.row("exact").needed_bytes)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else "\n".join(plan.table()))
-    return 0 if plan.best_fit() else 1  # a script can ask "does it fit?" (1: nothing does)
+    return 0 if plan.best_fit(plan.auto_candidates) else 1  # a script can ask "does it fit?" (1: nothing does)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -650,12 +677,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     c.add_argument("out_dir", help="output directory, created with its parents (must not exist unless --force)")
     from .tiers import TIER_HELP, TIERS
 
-    c.add_argument("--precision", choices=TIERS, default="exact",
-                   help="the weights' form on disk (default exact, bit for bit); a lossy one is smaller and is "
-                        "what a small Mac loads without ever holding the exact form: "
-                        + "; ".join(f"{k} = {v}" for k, v in TIER_HELP.items() if k != "exact"))
-    c.add_argument("--compact", action="store_const", dest="precision", const="fast",
-                   help="the same as --precision fast (its older name)")
+    form = c.add_mutually_exclusive_group()
+    form.add_argument("--precision", choices=(*TIERS, "auto"), default="exact",
+                      help="the weights' form on disk (default exact, bit for bit); a lossy one is smaller and is "
+                           "what a small Mac loads without ever holding the exact form: "
+                           + "; ".join(f"{k} = {v}" for k, v in TIER_HELP.items() if k != "exact")
+                           + "; auto = the most exact form that runs on this machine (or --machine, --memory-limit)")
+    form.add_argument("--compact", action="store_const", dest="precision", const="fast",
+                      help="the same as --precision fast (its older name)")
+    c.add_argument("--machine", metavar="NAME",
+                   help="the Mac the output is for (mac-24gb, ...; mlx-dgemma plan --help): said before writing "
+                        "when the form will not run there; --precision auto writes the most exact that does "
+                        "(default: this machine)")
+    c.add_argument("--memory-limit", metavar="SIZE", help="as --machine, for a memory budget (e.g. 17GB)")
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     c.add_argument("--verify", action="store_true", help="verify every tensor after converting")
     c.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GB)")
@@ -674,6 +708,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     pl.add_argument("--demo", action="store_true", help="plan the built-in demo model")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("--memory-limit", metavar="SIZE", help="compare with SIZE (e.g. 14GB) instead of this machine")
+    pl.add_argument("--machine", metavar="NAME",
+                    help="plan for a Mac instead of this machine: its GPU's default working set (mac-8gb ... "
+                         "mac-192gb, M5 variants mac-16gb-m5 ...; see mlx_dgemma/machines.py); all: the table "
+                         "of every preset (which Mac, which form, which command)")
     pl.add_argument("--context", type=int, default=None, help="tokens to reserve KV cache for (default 4096)")
     pl.add_argument("--ranks", type=int, default=None, metavar="N",
                     help="price one rank's share of the model split over N Macs (mlx.launch), before launching "
@@ -750,6 +788,7 @@ def _run(argv: list[str]) -> int:
                 parser.print_help(sys.stderr)
                 return 2  # a usage error, as any missing argument is
             args = parser.parse_args(joined_negative_values(argv))
+            check_platform(args.command)
             from .launch import quiet_other_ranks
 
             quiet_other_ranks()  # under mlx.launch rank 0 alone prints
@@ -786,6 +825,24 @@ def _run(argv: list[str]) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
+
+
+# the commands that run a model on MLX's default device (a Mac's GPU)
+GPU_COMMANDS = ("generate", "chat", "serve", "bench")
+
+
+def check_platform(command: str) -> None:
+    """Refuse, in one line, a Python that cannot run MLX on this Mac (x86-64: Rosetta or an
+    Intel Mac; macOS before 14) and, for the commands that run a model, an MLX without Metal."""
+    from .errors import PlatformError
+    from .machines import metal_problem, platform_problem
+
+    problem = platform_problem()
+    if problem is None and command in GPU_COMMANDS and sys.platform == "darwin":
+        with hold_interrupts():  # mlx.core's native init (see hold_interrupts)
+            problem = metal_problem()
+    if problem is not None:
+        raise PlatformError(problem)
 
 
 def _who(args: argparse.Namespace | None) -> str:

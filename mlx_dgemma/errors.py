@@ -34,6 +34,11 @@ class OutputError(DGemmaError):
     and "a check failed" to ``verify`` and ``doctor``, which this is not."""
 
 
+class PlatformError(DGemmaError):
+    """This Python or this MLX cannot run the app here: an x86-64 Python on macOS (Rosetta or an
+    Intel Mac), a macOS older than MLX's wheels, or an MLX without Metal."""
+
+
 class NonFiniteError(DGemmaError):
     """NaN or Inf where numbers must be finite: a weight (named) or the logits of a step (named)."""
 

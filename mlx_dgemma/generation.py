@@ -295,8 +295,11 @@ def _answer(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
     dtype = dtype or runtime.activation_dtype  # the runtime precision's
     group = runtime.group
     try:
+        # --memory-limit, when given, is this check's budget too (the plan's): one budget
+        available, budget = runtime.prompt_budget(cache.nbytes)
         check_fits(estimate(runtime.rank_args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
-                            chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids))
+                            chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids),
+                   available, budget)
     except MemoryBudgetError as e:
         if group is None:
             raise

@@ -17,18 +17,12 @@ from .cache import KVCache, LayerCache
 from .distributed import Range, Split, even, global_softmax_stats, shard_module, vocab_range
 from .errors import ParameterError
 from .quantized import FloatEmbedding
-from .schema import ModelArgs
+from .schema import ATTENTION_SCORES_BUDGET, DEFAULT_PREFILL_CHUNK, ModelArgs
 from .switch_layers import SwitchLinear, gather_sort, scatter_unsort
 
 # Token-expert pairs at or above this count are sorted by expert before gather_qmm.
 _SORT_THRESHOLD = 64
 
-# Prompt tokens per encoder pass. Measured on `medium` (benchmarks/prefill.py, RESULTS.md):
-# throughput is flat from 256 to 1024 tokens and the working memory grows with the chunk.
-DEFAULT_PREFILL_CHUNK = 512
-# Upper bound on one attention call's float32 scores during prefill: longer contexts split
-# the chunk's queries so the global layer's working memory stays flat as the cache grows.
-ATTENTION_SCORES_BUDGET = 64 << 20
 # Entries per chunk of top_k_indices' first stage: 2,048 is the longest row MLX's Metal sort
 # handles in one threadgroup (512 threads x 4); a longer row (the vocabulary, 262,144) goes to
 # its multi-block merge sort, which argpartition falls back to on Metal and CUDA.

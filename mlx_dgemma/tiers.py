@@ -47,12 +47,16 @@ PRECISIONS = ("auto", *TIERS)
 LOSSY_ON_DISK = ("fast", "q4", "q3")  # what ``convert --precision`` can write besides exact
 
 # One line each, for --help, plan and README.
-TIER_HELP = {
+TIER_RECIPE = {  # what each precision stores, for any model (a conversion's summary says this)
     "exact": "bit-exact weights, float32 (verify's and the parity tests' form)",
     "fast": "exact integers, half-precision scales, Q6_K head re-quantized to 8 bits",
-    "q4": "experts 4-bit, the rest 5-6 bits (14.2 GB at full size): fits a 24 GB Mac",
-    "q3": "experts 3-bit, the rest 4-6 bits (11.3 GB at full size): aimed at a 16 GB Mac",
+    "q4": "experts 4-bit, the rest 5-6 bits",
+    "q3": "experts 3-bit, the rest 4-6 bits",
 }
+# the published model at full size (README, "Which Mac, which form, which command"): --help adds it
+FULL_SIZE_NOTE = {"q4": " (14.2 GB at full size): fits a 24 GB Mac",
+                  "q3": " (11.3 GB at full size): a 16 GB Mac with its GPU limit raised"}
+TIER_HELP = {k: v + FULL_SIZE_NOTE.get(k, "") for k, v in TIER_RECIPE.items()}
 
 # Padded sub-block types (Q2_K, Q3_K, Q6_K) in fast: 8 bits keeps their 6-bit (or fewer) values
 # to within a fraction of their own step; 32 is MLX's smallest affine group.

@@ -1,19 +1,32 @@
 """`mlx-dgemma doctor`: the machine report and the default-device-vs-CPU checks.
 
-This machine has no GPU, so the command compares MLX's CPU with itself (compiled vs eager step)
-and must say so; each check is shown to fail when the default device's numbers are corrupted
-(through ``perturb``, the comparison's own argument).
+These tests describe a machine without a GPU (CI's: MLX's CPU backend), where the command
+compares MLX's CPU with itself (compiled vs eager step) and must say so; each check is shown to
+fail when the default device's numbers are corrupted (through ``perturb``, the comparison's own
+argument). On a machine with a GPU (a Mac), MLX's CPU device stands in as the default device
+(``cpu_default``), so they test the same thing there; the GPU paths are faked where they are tested.
 """
 
 from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_dgemma import doctor
 from mlx_dgemma.cli import build_parser, main
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_default():
+    """MLX's default device is the CPU for these tests (already so without a GPU); module-scoped
+    and autouse, so it is in place before ``demo_outputs`` runs."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
 
 
 def doctor_args(*argv: str):

@@ -161,15 +161,17 @@ def _sigint_raises() -> Iterator[None]:
 
 
 def run_app(model: str | None = None, demo: bool = False, dtype: str | None = None,
-            precision: str = "auto", think: bool = False, system: str | None = None) -> int:
+            precision: str = "auto", think: bool = False, system: str | None = None,
+            memory_limit: int | None = None) -> int:
     """Run the chat app; the exit status is non-zero if the user quits with no model loaded.
-    ``think`` and ``system``: the thought channel and the system prompt to start with."""
+    ``think`` and ``system``: the thought channel and the system prompt to start with;
+    ``memory_limit``: ``--memory-limit`` in bytes (the load's and every answer's budget)."""
     from mlx_dgemma.errors import ModelFilesError
 
     from_env = not model and not demo
     model = str(user_path(model)) if model else (configured_model() if from_env else None)
     backend = ModelBackend(model=model, demo=demo, dtype=dtype, precision=precision, think=think,
-                           system=system) if (model or demo) else None
+                           system=system, memory_limit=memory_limit) if (model or demo) else None
     if model and not demo and not Path(model).exists():
         source = " (from MLX_DGEMMA_MODEL)" if from_env else ""
         raise ModelFilesError(f"{model}{source}: no such file or directory; give a .gguf file or a directory "

@@ -166,6 +166,13 @@ def _settings(args: argparse.Namespace) -> tuple[Any, Any]:
     return limits, settings
 
 
+def _memory_limit(args: argparse.Namespace) -> int | None:
+    """--memory-limit in bytes (checked by the memory plan before this), or None."""
+    from mlx_dgemma.plan import parse_size
+
+    return parse_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
+
+
 def follow(args: argparse.Namespace) -> int:
     """A rank > 0 of ``serve`` under ``mlx.launch``: load this rank's slices of the model and run
     every model call rank 0's server makes (``ModelRuntime.follow``) until it shuts down.
@@ -180,7 +187,7 @@ def follow(args: argparse.Namespace) -> int:
     from .engine import load_model
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_follower(load_model(args.model, args.demo, args.dtype, args.precision), "serve")
+    run_follower(load_model(args.model, args.demo, args.dtype, args.precision, _memory_limit(args)), "serve")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -205,7 +212,8 @@ def main(args: argparse.Namespace) -> int:
         from .engine import Engine
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-        engine = Engine(args.model, args.demo, args.dtype, args.precision, args.model_id, limits)
+        engine = Engine(args.model, args.demo, args.dtype, args.precision, args.model_id, limits,
+                        memory_limit=_memory_limit(args))
     try:
         engine.start()
     except DGemmaError as e:

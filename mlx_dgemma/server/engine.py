@@ -73,14 +73,17 @@ class Job:
             pass
 
 
-def load_model(model: str | None, demo: bool, dtype: str | None, precision: str) -> Runtime:
+def load_model(model: str | None, demo: bool, dtype: str | None, precision: str,
+               memory_limit: int | None = None) -> Runtime:
     """The one place the server loads a model: the core's ``open_model`` (``--model`` or
-    ``--demo``, ``--precision`` and ``--dtype``), with a loading bar on stderr."""
+    ``--demo``, ``--precision``, ``--dtype`` and ``--memory-limit``: the plan's and every
+    request's memory budget), with a loading bar on stderr."""
     from mlx_dgemma.loader import open_model
     from mlx_dgemma.progress import ProgressBar
 
     bar = ProgressBar("loading", unit="tensors", scale=1)
-    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name))
+    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name),
+                      memory_limit=memory_limit)
 
 
 def model_id_of(path: str | None) -> str:
@@ -232,8 +235,10 @@ class Engine:
     """
 
     def __init__(self, model_path: str | None = None, demo: bool = False, dtype: str | None = None,
-                 precision: str = "auto", model_id: str | None = None, limits: Limits | None = None):
+                 precision: str = "auto", model_id: str | None = None, limits: Limits | None = None,
+                 memory_limit: int | None = None):
         self.limits = limits or Limits()
+        self.memory_limit = memory_limit  # --memory-limit: the load's and every request's budget
         self.model_path, self.demo, self.dtype_name, self.precision_name = model_path, demo, dtype, precision
         self.precision = ""  # the label of what was loaded, e.g. "fast (bfloat16)"
         self.memory_bytes = 0  # memory in use after the last load or job (read on the worker: MLX stays there)
@@ -288,7 +293,7 @@ class Engine:
         from mlx_dgemma.lockstep import ModelRuntime
         from mlx_dgemma.memory import memory_bytes
 
-        loaded = load_model(self.model_path, self.demo, self.dtype_name, self.precision_name)
+        loaded = load_model(self.model_path, self.demo, self.dtype_name, self.precision_name, self.memory_limit)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.precision = loaded.precision.label
         self.generation_config = loaded.generation_config
