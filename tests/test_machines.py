@@ -423,6 +423,7 @@ def test_chat_and_serve_load_under_the_same_limit(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(tui_app, "run_app", lambda **k: seen.update(k) or 0)
+    monkeypatch.setattr("mlx_dgemma.launch.need_terminal", lambda command="chat": None)  # as in a terminal
     assert main(["chat", "--demo", "--memory-limit", "2GB"]) == 0
     assert seen["memory_limit"] == 2 * 10**9
     assert load_model(None, True, None, "auto", memory_limit=2 * 10**9).memory_limit == 2 * 10**9
