@@ -29,6 +29,8 @@ class Answer:
     ``max_tokens`` cuts the token list exactly (blocks are whole canvases, the API's limit
     is in tokens); ``stop`` cuts the visible text, and ``completion_tokens`` counts the tokens
     up to the one that completed the stop string; the thought channel never reaches content.
+    An EOS ends the answer (counted), and so does the padding token (not counted: the core
+    pads after an EOS, and a model that writes padding without one has ended its answer too).
     """
 
     tokenizer: Any
@@ -38,6 +40,7 @@ class Answer:
     markers: tuple[int | None, int | None] | None = None  # thought channel ids (marker_ids), found if None
     tools: bool = False  # parse the template's tool calls out of the answer
     raw: bool = False  # a text completion: the text continues the prompt, whitespace kept
+    pad_id: int | None = None  # the padding token: where the model writes it, the answer has ended
     tokens: list[int] = field(default_factory=list)
     content: str = ""
     reasoning: str = ""
@@ -65,10 +68,16 @@ class Answer:
             gen = gen[: self.max_tokens]
             parsed = parse_answer(self.tokenizer.decode(gen))
             text, thinking = parsed.answer, parsed.thinking
-        eos_at = next((i for i, t in enumerate(gen) if t in self.eos_ids), None)
+        eos_at = next((i for i, t in enumerate(gen) if t in self.eos_ids or t == self.pad_id), None)
         self.eos = eos_at is not None
         self.cut = not self.eos and len(gen) < len(self.tokens)
-        gen = gen[: eos_at + 1] if eos_at is not None else gen
+        if eos_at is not None:
+            # an EOS is the answer's last token; padding is no token of it (a model that answers a
+            # tool result with a canvas of padding has answered nothing, and said so)
+            gen = gen[: eos_at + (gen[eos_at] != self.pad_id)]
+            if not (self.raw or self.tools) and len(gen) < len(self.tokens):  # the core's text reaches past it
+                parsed = parse_answer(self.tokenizer.decode(gen))
+                text, thinking = parsed.answer, parsed.thinking
         if self.tools:
             text, thinking = self._split_calls(gen)
         elif self.raw:  # the core's text is stripped (a chat answer's); a continuation's is not
@@ -266,5 +275,7 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def model_card(model_id: str, created: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "mlx-dgemma"}
+def model_card(model_id: str, created: int, context: int | None = None) -> dict[str, Any]:
+    """A model object; ``max_model_len`` (vLLM's field, which clients read the context from) when known."""
+    card = {"id": model_id, "object": "model", "created": created, "owned_by": "mlx-dgemma"}
+    return {**card, "max_model_len": context} if context else card
