@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .errors import DGemmaError
 
@@ -56,7 +56,7 @@ class Ticket:
     """One job: ``run`` is called on the worker thread with the ticket (poll ``cancelled``);
     ``skipped`` instead, if the job was cancelled before it started."""
 
-    run: Callable[["Ticket"], bool | None]  # True: more to do, run it again after the others' turns
+    run: Callable[["Ticket"], Any]  # True (only): more to do, run it again after the others' turns
     skipped: Callable[["Ticket"], None] | None = None
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)  # run (or skipped) has returned
@@ -187,7 +187,7 @@ class ModelWorker(Generic[R]):
         return time.perf_counter() - cur.started if cur is not None and cur.started is not None else 0.0
 
     # jobs -----------------------------------------------------------------
-    def submit(self, run: Callable[[Ticket], bool | None], *, skipped: Callable[[Ticket], None] | None = None,
+    def submit(self, run: Callable[[Ticket], Any], *, skipped: Callable[[Ticket], None] | None = None,
                cancel: threading.Event | None = None, bypass_limit: bool = False) -> Ticket:
         """Queue a job; :class:`WorkerBusy` when ``max_waiting`` live jobs already wait (unless
         ``bypass_limit``: the front end's own work, e.g. the server's warm-up),
@@ -261,7 +261,7 @@ class ModelWorker(Generic[R]):
                 if ticket.started is None:
                     ticket.started = time.perf_counter()
                 try:
-                    more = bool(ticket.run(ticket))
+                    more = ticket.run(ticket) is True  # only True: a callable returning anything else is done
                 finally:
                     if not more:
                         self.completed += 1

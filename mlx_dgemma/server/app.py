@@ -207,7 +207,7 @@ class RequestLog:
             fields = [f"{k}={v}" for k, v in (job.stats if job else {}).items() if v is not None]
             if "error" in info:
                 fields.append(f"error={info['error']}")
-            if scope.get("path") == "/health" and "error" not in info:
+            if scope.get("path") == "/health" and scope.get("method") in ("GET", "HEAD") and status[0] in (200, 503):
                 return  # probes every few seconds would bury the requests' lines
             log.info("%s %s %s %.3fs %s", scope.get("method"), scope.get("path"), status[0] or "-",
                      time.perf_counter() - t0, " ".join(fields))

@@ -327,11 +327,10 @@ class Engine(Shaping):
         """The connection guard refused a connection (--max-connections): counted for /metrics."""
         self.totals["connections_refused"] += 1
 
-    def metrics_text(self) -> str:
-        """/metrics in Prometheus' text format: counters, gauges and the latency histograms
-        (seconds from a request's arrival to its first turn, its first committed block, its answer)."""
+    def metrics(self) -> list[tuple[str, str, float, str]]:
+        """(name, Prometheus type, value, help) of the counters and gauges."""
         t = self.totals
-        rows = [("requests_served_total", "counter", self.served, "requests the worker ran to an end"),
+        return [("requests_served_total", "counter", self.served, "requests the worker ran to an end"),
                 ("requests_cancelled_total", "counter", t["cancelled"], "requests stopped before their answer"),
                 ("requests_refused_total", "counter", t["refused"], "requests refused with 503 (queue full)"),
                 ("connections_refused_total", "counter", t["connections_refused"],
@@ -346,8 +345,12 @@ class Engine(Shaping):
                 ("requests_running", "gauge", self.worker.in_progress, "requests taking turns on the model"),
                 ("worker_busy", "gauge", int(self.busy), "1 while the worker runs a request"),
                 ("memory_bytes", "gauge", self.memory_bytes, "memory the process holds after the last job")]
+
+    def metrics_text(self) -> str:
+        """/metrics in Prometheus' text format: :meth:`metrics`, and the latency histograms
+        (seconds from a request's arrival to its first turn, its first committed block, its answer)."""
         lines = []
-        for name, kind, value, help_text in rows:
+        for name, kind, value, help_text in self.metrics():
             lines += [f"# HELP mlx_dgemma_{name} {help_text}", f"# TYPE mlx_dgemma_{name} {kind}",
                       f"mlx_dgemma_{name} {value}"]
         for what, help_text in (("queue", "from arrival to the first turn on the model"),
@@ -586,7 +589,10 @@ class Engine(Shaping):
         def logprobs() -> tuple[dict[str, Any], ...] | None:
             """The counted tokens' entries (as many as completion_tokens: a stop cut, max_tokens
             and the padding after EOS leave out the same tokens)."""
-            return tuple(entries[:answer.completion_tokens]) if job.logprobs is not None else None
+            if job.logprobs is None:
+                return None
+            kept = answer.tokens[:answer.positions]
+            return tuple(e for e, t in zip(entries, kept) if t != core.pad_token_id)
 
         def finish() -> Result:
             cached = cached_tokens()  # known once the generation has started

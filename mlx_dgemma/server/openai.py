@@ -29,8 +29,8 @@ class Answer:
     ``max_tokens`` cuts the token list exactly (blocks are whole canvases, the API's limit
     is in tokens); ``stop`` cuts the visible text, and ``completion_tokens`` counts the tokens
     up to the one that completed the stop string; the thought channel never reaches content.
-    An EOS ends the answer (counted), and so does the padding token (not counted: the core
-    pads after an EOS, and a model that writes padding without one has ended its answer too).
+    An EOS ends the answer (counted), and so does padding at the end of the last block without
+    one (the model has ended its answer); padding is never counted, and never text.
     """
 
     tokenizer: Any
@@ -44,7 +44,8 @@ class Answer:
     tokens: list[int] = field(default_factory=list)
     content: str = ""
     reasoning: str = ""
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # the answer's tokens, padding not counted
+    positions: int = 0  # the answer's positions, padding included (completion_tokens of them are tokens)
     reasoning_tokens: int = 0
     eos: bool = False
     stop_hit: bool = False
@@ -68,16 +69,15 @@ class Answer:
             gen = gen[: self.max_tokens]
             parsed = parse_answer(self.tokenizer.decode(gen))
             text, thinking = parsed.answer, parsed.thinking
-        eos_at = next((i for i, t in enumerate(gen) if t in self.eos_ids or t == self.pad_id), None)
-        self.eos = eos_at is not None
+        eos_at = next((i for i, t in enumerate(gen) if t in self.eos_ids), None)
+        gen = gen[: eos_at + 1] if eos_at is not None else gen
+        # padding the model wrote itself (no EOS before it) at the end of its last block: it has
+        # ended its answer (a model that answers a tool result with a canvas of padding has
+        # answered nothing, and said so); padding inside a block is no text, and no token of it
+        ended = eos_at is None and self.pad_id is not None and bool(self.tokens) and self.tokens[-1] == self.pad_id \
+            and len(gen) == len(self.tokens)
+        self.eos = eos_at is not None or ended
         self.cut = not self.eos and len(gen) < len(self.tokens)
-        if eos_at is not None:
-            # an EOS is the answer's last token; padding is no token of it (a model that answers a
-            # tool result with a canvas of padding has answered nothing, and said so)
-            gen = gen[: eos_at + (gen[eos_at] != self.pad_id)]
-            if not (self.raw or self.tools) and len(gen) < len(self.tokens):  # the core's text reaches past it
-                parsed = parse_answer(self.tokenizer.decode(gen))
-                text, thinking = parsed.answer, parsed.thinking
         if self.tools:
             text, thinking = self._split_calls(gen)
         elif self.raw:  # the core's text is stripped (a chat answer's); a continuation's is not
@@ -87,7 +87,8 @@ class Answer:
         self.stop_hit = bool(hits)
         if hits:
             gen = gen[: self._stop_tokens(gen)]
-        self.completion_tokens = len(gen)
+        self.positions = len(gen)
+        self.completion_tokens = len(gen) - (gen.count(self.pad_id) if self.pad_id is not None else 0)
         self.reasoning_tokens = self._thought_tokens(gen)
         self.content = text[: min(hits)] if hits else text
         self.reasoning = thinking

@@ -187,9 +187,10 @@ class Shaping:
         return int(params.get("max_new_tokens") or self.generation_config.get("max_new_tokens") or 256)
 
     def context_error(self, param: str, detail: str, fix: str) -> ContextLengthError:
-        """OpenAI's words (every client's context check matches "maximum context length")."""
-        return ContextLengthError(f"{param}: this model's maximum context length is {self.context} tokens; "
-                                  f"{detail}; {fix}", param)
+        """In the words clients match, besides the code: OpenAI's "maximum context length" (litellm) and
+        "prompt is too long" (langchain-openai: with openai 3.x the code is no longer in the error's text)."""
+        return ContextLengthError(f"{param}: the prompt is too long: this model's maximum context length is "
+                                  f"{self.context} tokens; {detail}; {fix}", param)
 
     def fit(self, prompt_tokens: int, params: dict[str, Any], param: str = "messages") -> int | None:
         """Check a prompt of ``prompt_tokens`` against the context and the work budget; where

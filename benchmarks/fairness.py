@@ -1,0 +1,140 @@
+"""Fair sharing: short requests while a long one runs, one at a time vs taking turns.
+
+    python benchmarks/fairness.py [--parallel 1,4] [--short 8] [--long-blocks 12] [--steps 8]
+                                  [--code DIR] [--json results/fairness.json]
+
+A server on the trained demo (``mlx-dgemma serve --demo``, a subprocess) gets one long request
+(``--long-blocks`` blocks of ``--steps`` denoising steps each, every step run: a stopping rule
+that never fires), then, once it has started, ``--short`` short requests at once (one block,
+``--steps`` steps, each its own seed), each from its own thread with the official ``openai``
+client. Reported per setting: each short request's latency (p50, p95, max), the long one's
+latency, and the whole run's wall time. ``--parallel 1`` is one request at a time to its end (the
+server before issue 31); 4 lets four requests take turns at block boundaries (the default now).
+``--code DIR`` runs the server from another checkout (e.g. main, for a before/after of the code
+itself rather than of the flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def serve(parallel: int, code: str | None) -> tuple[subprocess.Popen, str, list[str]]:
+    env = {**os.environ, **({"PYTHONPATH": code} if code else {})}
+    flags = ["--parallel", str(parallel)] if parallel != 1 or not code else []
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_dgemma", "serve", "--demo", "--port", "0", *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    ready = threading.Event()
+    url: list[str] = []
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            m = re.search(r"on (http://[\d.]+:\d+)/v1", line)
+            if m and not url:
+                url.append(m.group(1))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    ready.wait(600)
+    if not url:
+        raise SystemExit("server did not start:\n" + "".join(lines[-20:]))
+    return proc, url[0], lines
+
+
+def wait_ready(url: str) -> None:
+    import urllib.error
+    import urllib.request
+
+    while True:  # the warm-up: /health is 503 "loading" until it ran (the code before answered 200 at once)
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=30) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
+def run(parallel: int, args: argparse.Namespace) -> dict:
+    import openai
+
+    proc, url, lines = serve(parallel, args.code)
+    try:
+        wait_ready(url)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+        never_stop = {"max_denoising_steps": args.steps, "stability_threshold": 10_000}
+        results: dict[str, float] = {}
+
+        blocks_run: dict[str, int] = {}
+
+        def ask(name: str, content: str, blocks: int, seed: int) -> None:
+            t0 = time.perf_counter()
+            if name == "long":  # a raw continuation: the demo goes on verse after verse, no EOS
+                r = client.completions.create(model="demo", prompt=content, max_tokens=64 * blocks,
+                                              extra_body={**never_stop, "seed": seed})
+            else:
+                r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": content}],
+                                                   max_tokens=64 * blocks, extra_body={**never_stop, "seed": seed})
+            results[name] = time.perf_counter() - t0
+            blocks_run[name] = (r.model_extra or {}).get("timings", {}).get("diffusion", {}).get("blocks", -1)
+
+        load0 = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        long = threading.Thread(target=ask, args=("long", "And it came to pass in those days, that", args.long_blocks,
+                                                  args.long_seed))
+        long.start()
+        time.sleep(args.head_start)  # the long one holds the model
+        shorts = [threading.Thread(target=ask, args=(f"short{i}", f"Who was king number {i}?", 1, i + 1))
+                  for i in range(args.short)]
+        for t in shorts:
+            t.start()
+        for t in [long, *shorts]:
+            t.join()
+        wall = time.perf_counter() - t0
+        s = sorted(v for k, v in results.items() if k.startswith("short"))
+        return {"parallel": parallel, "code": args.code or "this checkout", "short_s": [round(x, 2) for x in s],
+                "short_p50_s": round(statistics.median(s), 2),
+                "short_p95_s": round(s[min(len(s) - 1, round(0.95 * (len(s) - 1)))], 2), "short_max_s": round(s[-1], 2),
+                "long_s": round(results["long"], 2), "long_blocks": blocks_run.get("long"), "wall_s": round(wall, 2),
+                "load_before_after": [round(load0, 1), round(os.getloadavg()[0], 1)]}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parallel", default="1,4", help="settings of --parallel to compare (default 1,4)")
+    p.add_argument("--short", type=int, default=8, help="short requests sent while the long one runs (default 8)")
+    p.add_argument("--long-blocks", type=int, default=12, help="blocks of the long request (default 12)")
+    p.add_argument("--steps", type=int, default=8, help="denoising steps of every block (default 8)")
+    p.add_argument("--long-seed", type=int, default=1, help="the long request's seed (1: no EOS on the demo)")
+    p.add_argument("--head-start", type=float, default=3.0, help="seconds the long request runs alone first")
+    p.add_argument("--code", default=None, help="run the server from this checkout (PYTHONPATH), e.g. /work/main")
+    p.add_argument("--json", default=None, help="write the rows to this file")
+    args = p.parse_args()
+    rows = []
+    for n in (int(x) for x in args.parallel.split(",")):
+        row = run(n, args)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
