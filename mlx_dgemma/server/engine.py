@@ -17,6 +17,7 @@ the same generation). Each request holds its own KV cache while it takes turns.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import statistics
@@ -524,7 +525,7 @@ class Engine(Shaping):
         if not answer.eos:  # cut short (max_tokens, the deadline): what the first pass gave
             self._deliver(job, result)
             return
-        fixed = ToolCall(name, __import__("json").dumps(frame.arguments(answer.tokens, tok), ensure_ascii=False))
+        fixed = ToolCall(name, json.dumps(frame.arguments(answer.tokens, tok), ensure_ascii=False))
         still = toolcalls.check(fixed, forced)
         if still is not None:
             log.warning("%s: tool call %s after its repair pass: %s; returned as it is", job.stats.get("id"),
