@@ -295,25 +295,26 @@ def measure_load(path: str, precision: str, prefill_tokens: int = 0, canvas: int
               f"{res['prefill_peak_rss_bytes'] / GB:.2f} GB", file=sys.stderr, flush=True)
         keep(res)
         if canvas:
-            res.update(_one_step(model, cache, canvas, rng))
+            res.update(_one_step(runtime, cache, canvas, rng))
     return res
 
 
-def _one_step(model: Any, cache: Any, canvas: int, rng: np.random.Generator) -> dict:
+def _one_step(runtime: Any, cache: Any, canvas: int, rng: np.random.Generator) -> dict:
     """One compiled denoising step (decoder + sampler + stopping rule), self-conditioned as
-    generation's second and later steps are. The previous step's logits it conditions on are
+    generation's second and later steps are: the runtime's own step (its precision's activation
+    dtype and self-conditioning width; a StepFunction built here in float32 timed fast's step at
+    4x its decoder pass on a GPU). The previous step's logits it conditions on are
     random (a decoder pass to make them would double the measurement's time; the work of the
     step does not depend on their values)."""
     import mlx.core as mx
 
     from mlx_dgemma.sampler import SamplerParams
-    from mlx_dgemma.step import StepFunction
 
-    V = model.args.vocab_size
+    V = runtime.model.args.vocab_size
     ids = mx.array(rng.integers(0, V, (1, canvas)), dtype=mx.int32)
     sc = mx.array(rng.normal(0.0, 3.0, (1, canvas, V)).astype(np.float32))
     mx.eval(sc)
-    fn = StepFunction(model, SamplerParams(), compile=True)
+    fn = runtime.step(SamplerParams.from_config(runtime.generation_config))
     hist = fn.initial_history((1, canvas))
     t0 = time.perf_counter()
     mx.eval(list(fn(ids, sc, 0.6, mx.random.key(0), hist, cache).values()))

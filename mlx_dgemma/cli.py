@@ -167,7 +167,7 @@ def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | Non
                                  f"({t_max}); lower --t-min or raise --t-max") from None
         t_min = overrides.get("t_min", (generation_config or {}).get("t_min", SamplerParams.t_min))
         rule = {"sc_top_k": "an integer >= 1 (leave --sc-top-k out for exact self-conditioning)",
-                "t_max": f"above the final temperature (--t-min, {t_min})"}.get(e.param, e.rule)
+                "t_max": f"above the temperature floor (--t-min, {t_min})"}.get(e.param, e.rule)
         raise ParameterError(f"{flag[e.param]} {overrides.get(e.param)}: must be {rule}") from None
 
 
@@ -360,6 +360,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"text": done.text, "thinking": done.thinking, "tokens": tokens, **summary}))
     else:
         print()
+        from .guards import ENDINGS, GUARD_PARAMS
+
+        if done.finish_reason in ENDINGS:  # a guard ended the answer: say which, and how to turn it off
+            print(f"[{done.finish_reason}] {ENDINGS[done.finish_reason]}: the answer ends there "
+                  f"({flags()[GUARD_PARAMS[done.finish_reason]]} 0 turns this off)", file=sys.stderr)
         print(f"[done] {done.finish_reason}; {done.steps} steps {list(done.steps_per_block)}, "
               f"{done.seconds_per_step:.3f} s/step, {done.tokens_per_forward:.2f} tokens/forward, "
               f"prefill {done.prefill_tokens_per_second:.1f} tok/s, peak {done.peak_memory_bytes / 1e9:.2f} GB, "
@@ -554,10 +559,12 @@ def add_model_commands(sub: argparse._SubParsersAction, command: str | None = No
                        description="Benchmark on random weights: seconds per denoising step, prefill tokens/s "
                                    "and peak memory for the chosen configs, against mlx-vlm's DiffusionGemma and "
                                    "the transformers reference on the same weights in the same run. Prints a "
-                                   "table and JSON.")
+                                   "table and JSON.",
+                       )
     if command in (None, "bench"):
-        from .bench import add_args
+        from .bench import DefaultsHelpFormatter, add_args
 
+        b.formatter_class = DefaultsHelpFormatter
         add_args(b)
     b.set_defaults(func=_cmd_bench)
 

@@ -32,16 +32,20 @@ class StepEvent:
     temperature: float
     seconds: float
     stopped: bool  # the stopping rule fired at this step
+    # 2, 3, ...: the block re-rolled by a guard (mlx_dgemma.guards: commit, empty answer); its
+    # steps count from 1 again and replace the earlier attempt's
+    attempt: int = 1
 
 
 @dataclass(frozen=True)
 class BlockEvent:
-    """A committed block (the argmax canvas at the stopping step, padded after EOS)."""
+    """A committed block (the argmax canvas at the stopping step, padded after EOS; shorter where
+    a guard cut it, and empty where the commit guard ended the answer before it)."""
 
     block: int  # the block's number, from 1 (the same as its StepEvents')
     tokens: tuple[int, ...]
     steps: int
-    finished: bool  # an EOS id was committed
+    finished: bool  # the answer ends with this block: an EOS id was committed, or a guard ended it
     text: str  # the answer so far (thought channel removed)
     thinking: str  # the thought channel so far
     raw_text: str  # everything decoded, specials included
@@ -52,6 +56,9 @@ class BlockEvent:
     logprobs: np.ndarray | None = None  # [n] float32
     top_ids: np.ndarray | None = None  # [n, k] int32, most likely first
     top_logprobs: np.ndarray | None = None  # [n, k] float32
+    # the guard that ended the answer with this block (mlx_dgemma.guards.ENDINGS: "repetition",
+    # "duplicate", "unconverged"), else None; the DoneEvent's finish_reason says the same
+    end: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,9 @@ class DoneEvent:
     text: str
     thinking: str
     tokens: tuple[int, ...]
-    finish_reason: str  # "eos" | "length" | "cancelled"
+    # "eos" | "length" | "cancelled", or the guard that ended the answer (mlx_dgemma.guards.ENDINGS:
+    # "repetition", "duplicate", "unconverged")
+    finish_reason: str
     prompt_tokens: int
     prefill_seconds: float
     prefill_tokens_per_second: float

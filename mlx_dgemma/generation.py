@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -25,6 +25,7 @@ from .chat_template import ParsedAnswer, parse_answer, render_chat
 from .distributed import agree
 from .errors import MemoryBudgetError, NonFiniteError, ParameterError
 from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent
+from .guards import duplicate_cut, empty_answer, loop_start, unconverged
 from .memory import check_fits, estimate, peak_memory_bytes, reset_peak_memory
 from .model import DEFAULT_PREFILL_CHUNK
 from .runtime import Runtime, check_runtime
@@ -337,7 +338,7 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
     prefill_s = time.perf_counter() - t0
     yield PrefillEvent(tokens=len(ids), seconds=prefill_s)
     out: list[int] = []
-    steps_per_block: list[int] = []
+    steps_per_block: list[int] = []  # the blocks of the answer (not one the commit guard dropped)
     step_seconds = 0.0
     steps = 0  # every decoder pass, a cancelled block's included
     reason = "length"
@@ -347,36 +348,60 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
         key, sub = mx.random.split(key)
         result: BlockResult | None = None
         fixed = template.block(b, C) if template is not None else None
-        for ev in denoise_block(step_fn, cache, p, sub, block=b + 1, logprobs=logprobs, fixed=fixed):
-            if isinstance(ev, BlockResult):
-                result = ev
-                break
-            step_seconds += ev.seconds
-            steps += 1
-            yield ev
-            if cancel is not None and cancel():
+        attempt, rerolled, empty_left = 0, False, p.empty_rerolls if b == 0 else 0
+        while True:
+            attempt += 1
+            result, last, tally = yield from _attempt(step_fn, cache, p, sub, b + 1, attempt, cancel, logprobs, fixed)
+            steps += tally[0]
+            step_seconds += tally[1]
+            if result is None:
                 reason = "cancelled"
                 break
+            # the guards that re-roll (mlx_dgemma.guards), each with a key none of the previous
+            # attempt's draws used (a 3-way split): a block that ran out of steps still uncertain,
+            # once (the commit guard); a first block that ends the turn before any text
+            rejected = unconverged(last.stopped, last.mean_entropy, p.commit_entropy)
+            if rejected and not rerolled:
+                rerolled = True
+            elif not rejected and empty_left and empty_answer(
+                    parse_answer(tokenizer.decode(finalize_block(result.tokens, p.eos_token_id, p.pad_token_id)[0]),
+                                 strip=strip).answer, result.tokens, p.eos_token_id):
+                empty_left -= 1
+            else:
+                break
+            sub = mx.random.split(sub, 3)[2]
         if reason == "cancelled":
             break
         assert result is not None
-        block, finished = finalize_block(result.tokens, p.eos_token_id, p.pad_token_id)
-        steps_per_block.append(result.steps)
+        end: str | None = None
+        if rejected:  # twice unconverged: the answer ends before this block, which is never committed
+            block, finished, end = [], True, "unconverged"
+        else:
+            block, finished = finalize_block(result.tokens, p.eos_token_id, p.pad_token_id)
+            loop = loop_start(result.tokens, p.eos_token_id, p.repetition_trim)
+            if loop is not None:  # TensorSharp's trim: the loop and all after it go, the answer ends
+                block, finished, end = result.tokens[:loop], True, "repetition"
+            steps_per_block.append(result.steps)
+        if (finished or b + 1 == n_blocks) and p.duplicate_drop:  # the answer ends with this block
+            keep = duplicate_cut(out + block, lambda ids: parse_answer(tokenizer.decode(list(ids)), strip=strip).answer,
+                                 start=len(out), min_chars=p.duplicate_drop)
+            if keep is not None:
+                block, finished, end = block[:keep - len(out)], True, "duplicate"
         out += block
         raw = tokenizer.decode(out)
         parsed = parse_answer(raw, strip=strip)
         lp: dict[str, np.ndarray] = {}
-        if result.logprobs is not None:  # the generated positions only: up to the EOS, not its padding
+        if result.logprobs is not None:  # the generated positions only: up to the EOS, not its padding (none: [0])
             n = next((i + 1 for i, t in enumerate(block) if t in p.eos_token_id), len(block)) if finished \
                 else len(block)
             lp = dict(zip(("logprobs", "top_ids", "top_logprobs"), (_frozen(a[:n]) for a in result.logprobs)))
         yield BlockEvent(block=b + 1, tokens=tuple(block), steps=result.steps, finished=finished, text=parsed.answer,
-                         thinking=parsed.thinking, raw_text=raw, **lp)
-        last = finished or b + 1 == n_blocks
-        if not last:  # commit the block through the encoder: the next block's canvas reads it
+                         thinking=parsed.thinking, raw_text=raw, end=end, **lp)
+        last_block = finished or b + 1 == n_blocks
+        if not last_block:  # commit the block through the encoder: the next block's canvas reads it
             model.prefill(mx.array([block], dtype=mx.int32), cache, dtype=dtype)
         if finished:
-            reason = "eos"
+            reason = end or "eos"
             break
     valid = sum(1 for t in out if t != p.pad_token_id)
     parsed: ParsedAnswer = parse_answer(tokenizer.decode(out), strip=strip)
@@ -386,6 +411,27 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
                     steps_per_block=tuple(steps_per_block), seconds_per_step=step_seconds / steps if steps else 0.0,
                     tokens_per_forward=valid / steps if steps else 0.0, generation_seconds=time.perf_counter() - t_gen,
                     peak_memory_bytes=peak_memory_bytes(), precision=runtime.precision.label)
+
+
+def _attempt(step_fn: StepFunction, cache: KVCache, p: SamplerParams, key: mx.array, block: int, attempt: int,
+             cancel: Callable[[], bool] | None, logprobs: int | None, fixed: list[tuple[int, int]] | None = None
+             ) -> Generator[StepEvent, None, tuple[BlockResult | None, StepEvent | None, tuple[int, float]]]:
+    """One denoising of block ``block``: yields its StepEvents (``attempt`` > 1: a guard's
+    re-roll), returns (its BlockResult, None if ``cancel`` stopped it; its last StepEvent;
+    (decoder passes, their seconds))."""
+    last: StepEvent | None = None
+    n, seconds = 0, 0.0
+    for ev in denoise_block(step_fn, cache, p, key, block=block, logprobs=logprobs, fixed=fixed):
+        if isinstance(ev, BlockResult):
+            return ev, last, (n, seconds)
+        if attempt > 1:
+            ev = replace(ev, attempt=attempt)
+        last = ev
+        n, seconds = n + 1, seconds + ev.seconds
+        yield ev
+        if cancel is not None and cancel():
+            break
+    return None, last, (n, seconds)
 
 
 def generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[int], *mlx_lm_args: Any,

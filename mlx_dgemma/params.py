@@ -54,7 +54,10 @@ PARAMS: tuple[Param, ...] = (  # in the order of ``generate --help``
           "max denoising steps per block", label="max steps per block", screen_order=1, server=True,
           gguf_key="diffusion.eb_max_steps"),
     Param("t_min", float, *_TEMPERATURE, "a temperature in [0.001, 1000]", "--t-min", "T",
-          "final temperature of the linear schedule", label="final temperature", screen_order=3, server=True,
+          # the reference's schedule never reaches t_min: step k of N (counting down) runs at
+          # t_min + (t_max - t_min) * k / N, the last one at t_min + (t_max - t_min) / N
+          "floor of the linear temperature schedule (the last of N steps runs at t_min + (t_max - t_min)/N)",
+          label="temperature floor", screen_order=3, server=True,
           gguf_key="diffusion.eb_t_min"),
     Param("t_max", float, *_TEMPERATURE, "a temperature in [0.001, 1000]", "--t-max", "T",
           "first-step temperature", label="first-step temperature", screen_order=2, server=True,
@@ -82,6 +85,20 @@ PARAMS: tuple[Param, ...] = (  # in the order of ``generate --help``
           model_default=False),
     Param("seed", int, 0, 2**64 - 1, "an integer in [0, 2**64 - 1]", "--seed", "N", "make the run reproducible",
           label="seed (empty = random)", screen_order=9, no_default="random", server=True, model_default=False),
+    # The answer guards (mlx_dgemma.guards): they act on what a block commits and returns, never
+    # inside the step; where none fires the answer is the reference sampler's. 0 turns each off.
+    Param("repetition_trim", int, 0, 10_000, "an integer in [0, 10000] (0 = off)", "--repetition-trim", "N",
+          "end the answer where a token recurs at stride 1-2 N times in a row (TensorSharp's loop trim; "
+          "0 = off)", label="loop trim (0 = off)", screen_order=10, server=True),
+    Param("duplicate_drop", int, 0, 10_000, "an integer in [0, 10000] (0 = off)", "--duplicate-drop", "N",
+          "drop a trailing exact copy of the answer of N characters or more (llama.cpp's; 0 = off)",
+          label="duplicate drop (0 = off)", screen_order=11, server=True),
+    Param("commit_entropy", float, 0.0, 1e9, "a number in [0, 1e9] (0 = off)", "--commit-entropy", "X",
+          "re-roll once, else end the answer at, a block that ran out of steps with a last-step mean "
+          "entropy above X (0 = off)", label="commit entropy (0 = off)", screen_order=12, server=True),
+    Param("empty_rerolls", int, 0, 100, "an integer in [0, 100] (0 = off)", "--empty-rerolls", "N",
+          "re-roll, up to N times with new keys, a first block that ends the turn before any text (0 = off)",
+          label="empty re-rolls (0 = off)", screen_order=13, server=True),
 )
 
 

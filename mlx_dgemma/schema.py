@@ -134,7 +134,8 @@ STORED_DTYPES = ("F32", "F16", "BF16", "U32", "U8", "I32")
 @dataclass(frozen=True)
 class SamplerDefaults:
     """The reference sampler's defaults (HF ``generation_diffusion_gemma.py``); a GGUF's
-    ``diffusion.eb_*`` keys override them in generation_config.json."""
+    ``diffusion.eb_*`` keys override them in generation_config.json. Then the answer guards'
+    (``mlx_dgemma.guards``: not the reference's, which has none; 0 turns each off)."""
 
     max_denoising_steps: int = 48
     t_min: float = 0.4
@@ -145,6 +146,12 @@ class SamplerDefaults:
     max_new_tokens: int = 256
     eos_token_id: tuple[int, ...] = (1, 106, 50)
     pad_token_id: int = 0
+    repetition_trim: int = 6  # TensorSharp's: a token recurring at stride 1-2 six times
+    duplicate_drop: int = 1  # llama.cpp's: an answer that is one text twice (each copy >= 1 character)
+    # measured on the trained demo (benchmarks/guards.py commit; README "Answer guards"): converged
+    # blocks end below 0.005, blocks cut at 6 steps below 0.017, 1-3 steps leave 0.03-0.31
+    commit_entropy: float = 0.05
+    empty_rerolls: int = 2  # as the port that re-rolls an empty first canvas twice (256 -> 128 -> 64)
 
 
 def generation_defaults() -> dict[str, Any]:

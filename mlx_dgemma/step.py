@@ -44,11 +44,13 @@ class StepFunction:
     """``step(canvas, sc_logits | None, temperature, key, history, cache, revealed=None) -> dict`` of
     OUTPUTS (``revealed``: the confidence-threshold mode's revealed canvas, -1 where hidden).
 
-    ``dtype``: the activations'; ``precision_sc_top_k``: the runtime precision's self-conditioning
+    ``dtype``: the activations' (default: the model's own ``activation_dtype``, set by its runtime
+    precision: a fast model stepped in float32 ran 4x slower on a GPU, float32 activations against
+    bfloat16 scales); ``precision_sc_top_k``: the runtime precision's self-conditioning
     width (a request's ``sc_top_k`` wins). Generation takes the runtime's shared one
     (:meth:`mlx_dgemma.runtime.Runtime.step`) rather than tracing a new one per answer."""
 
-    def __init__(self, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype = mx.float32,
+    def __init__(self, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype | None = None,
                  compile: bool = True, precision_sc_top_k: int | None = None):
         params.check_model(model.args.vocab_size)
         if params.accept_probability is not None and model.group is not None:
@@ -56,7 +58,7 @@ class StepFunction:
                                  "out under mlx.launch (EntropyBound, the default, runs across ranks)")
         self.model, self.params = model, params
         self.sc_top_k = effective_sc_top_k(params, model.args.vocab_size, precision_sc_top_k)
-        self.dtype = dtype  # the runtime precision's activations
+        self.dtype = dtype or model.activation_dtype  # the runtime precision's activations
         self.compiled = compile
         self._fns: dict[tuple[bool, bool], Callable] = {}
         self._cache: KVCache | None = None

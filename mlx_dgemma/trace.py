@@ -64,10 +64,15 @@ class Trace:
     header: dict[str, Any] | None = None  # written first by export_jsonl (see trace_header)
 
     def add(self, ev: StepEvent) -> None:
-        """Record a step; ``blocks[i]`` holds block number ``i + 1`` (events count from 1)."""
+        """Record a step; ``blocks[i]`` holds block number ``i + 1`` (events count from 1). A
+        block the commit guard re-rolls (``attempt`` 2) replaces its first attempt's steps: the
+        trace holds the steps of the canvas that counts."""
         while len(self.blocks) < ev.block:
             self.blocks.append([])
-        self.blocks[ev.block - 1].append(ev)
+        steps = self.blocks[ev.block - 1]
+        if steps and steps[-1].attempt != ev.attempt:
+            steps.clear()
+        steps.append(ev)
 
     def clear(self) -> None:
         self.blocks.clear()

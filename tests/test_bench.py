@@ -282,3 +282,48 @@ def test_the_exact_vs_compact_study_measures_the_compact_directory(tmp_path):
     formats = compact_study(trained_demo_path(), exact_dir, prompt_len=8, warmup=0, steps=1)
     for fmt in ("exact", "compact"):
         assert formats[fmt]["seconds_per_step"] is not None and formats[fmt]["seconds_per_step"] > 0, formats[fmt]
+
+
+def test_the_table_keeps_its_columns_says_what_a_ratio_means_and_lists_warnings_after_itself():
+    from mlx_dgemma.bench.report import table
+
+    row = dict(seconds_per_step=0.5, prefill_tokens_per_second=100.0, peak_rss_bytes=2e9, mlx_peak_bytes=1e9)
+    ours = dict(row, impl="mlx-dgemma fast (bfloat16)", vs={"mlx-vlm 8-bit (group 64, its own quantization)": 1.15},
+                flops_per_step=1e9, achieved_gflops=2.0, fraction_of_dense_matmul=0.5, dtype="bfloat16",
+                load_seconds=0.1, first_step_seconds=0.2)
+    long_peer = dict(row, impl="mlx-vlm 8-bit (group 64, its own quantization)", seconds_per_step=0.4,
+                     warnings=["FutureWarning: `x` is deprecated"])
+    result = {"machine": {"platform": "p", "device": "cpu", "mlx": "0"}, "dense_matmul_gflops": {"float32": 1.0},
+              "configs": {"tiny": {"rows": [ours, long_peer]}}}
+    lines = table(result).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("implementation"))
+    # a long name widens the column instead of pushing its row's figures out of line: the
+    # ms/step figures end where their heading ends
+    ends = [lines[header].index("ms/step") + len("ms/step"),
+            lines[header + 1].index("500.0") + len("500.0"), lines[header + 2].index("400.0") + len("400.0")]
+    assert len(set(ends)) == 1, lines[header:header + 3]
+    ratio = next(line for line in lines if "1.15x" in line)
+    assert "time per step" in ratio and "slower" in ratio
+    warn_at = lines.index("warnings raised during the measurements:")
+    assert warn_at > header + 2 and "`x` is deprecated" in lines[warn_at + 1]
+    assert not any("deprecated" in line for line in lines[:warn_at])
+
+
+def test_bench_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 3)" in out and "(default: bench.json)" in out
+    assert "(default: None)" not in out and "(default 512) (default" not in out
+
+
+def warn_then_measure() -> dict:
+    import warnings
+
+    warnings.warn("peer says: deprecated", FutureWarning)
+    return {"impl": "peer", "seconds_per_step": 1.0}
+
+
+def test_isolated_keeps_a_measurements_warnings_with_its_row():
+    row = isolated("tests.test_bench:warn_then_measure", timeout=120)
+    assert row["warnings"] == ["FutureWarning: peer says: deprecated"]

@@ -42,7 +42,8 @@ def test_both_loops_on_a_tiny_model(tiny_gguf):
     conf = e2e_ours(model, ["hi there"], [0], overrides={**OVERRIDES, "accept_probability": 0.9}, warmup=False)
     vlm = e2e_mlx_vlm(model, ["hi there"], [0], overrides=OVERRIDES, warmup=False)
     vlm_eb = e2e_mlx_vlm(model, ["hi there"], [0], sampler="entropy-bound", overrides=OVERRIDES, warmup=False)
-    for row in (ours, conf, vlm, vlm_eb):
+    dense = e2e_mlx_vlm(model, ["hi there"], [0], overrides=OVERRIDES, warmup=False, bits=None)
+    for row in (ours, conf, vlm, vlm_eb, dense):
         assert row["blocks"] == 1 and 1 <= row["steps"] <= 3
         (run,) = row["runs"]
         assert run["prompt_tokens"] == ours["runs"][0]["prompt_tokens"]  # the same prompt ids
@@ -50,10 +51,39 @@ def test_both_loops_on_a_tiny_model(tiny_gguf):
         assert 0 < run["first_block_s"] <= run["wall_s"]
     assert ours["sampler"] == "EntropyBound" and conf["sampler"] == "confidence threshold 0.9"
     assert vlm["sampler"] == "confidence threshold 0.9" and vlm_eb["sampler"] == "EntropyBound"
+    # the fair rows are quantized like ours (mlx-vlm's own 8-bit); the dense one says it is a reference
+    assert vlm["impl"] == vlm_eb["impl"] == "mlx-vlm (8-bit g64, its own quant.)"
+    assert dense["impl"] == "mlx-vlm (dense f32, reference)"
     table = e2e_table({"machine": {"platform": "p", "device": "cpu", "mlx": "0"}, "prompts": ["hi there"],
                        "models": {model: {"ours-default": ours, "mlx-vlm-default": vlm,
-                                          "ours_vs_mlx_vlm_defaults": 1.5}}})
-    assert "mlx-vlm dense f32" in table and "mlx-dgemma" in table and "1.50x" in table
+                                          "mlx-vlm-dense-default": dense, "ours_vs_mlx_vlm_defaults": 1.5,
+                                          "ours_vs_mlx_vlm_dense_defaults": 0.5}}})
+    assert "8-bit g64" in table and "dense f32, reference" in table and "mlx-dgemma" in table
+    assert "(both quantized), each with its default sampler: 1.50x" in table
+    assert "dense float32 (reference), each with its default sampler: 0.50x" in table
+
+
+def test_the_fair_ratios_compare_quantized_rows(monkeypatch):
+    from mlx_dgemma.bench.e2e import ROWS, run_e2e
+
+    rows = {name: kw for name, _, kw in ROWS}
+    assert rows["mlx-vlm-default"].get("bits", "default") == "default"  # e2e_mlx_vlm's default: 8-bit
+    assert rows["mlx-vlm-dense-default"]["bits"] is None
+    fake = {"ours-default": 2.0, "mlx-vlm-default": 4.0, "mlx-vlm-entropy-bound": 1.0, "ours-confidence": 3.0,
+            "mlx-vlm-dense-default": 8.0}
+
+    import mlx_dgemma.bench.e2e as e2e
+
+    def measured(target, timeout=None, model=None, prompts=(), seeds=(), **kw):
+        name = next(n for n, t, k in ROWS if t == target and k.get("sampler") == kw.get("sampler")
+                    and k.get("bits", "d") == kw.get("bits", "d")
+                    and k.get("overrides", {}).get("accept_probability") == kw["overrides"].get("accept_probability"))
+        return {"impl": name, "answer_tokens_per_s": fake[name]}
+
+    monkeypatch.setattr(e2e, "isolated", measured)
+    entry = run_e2e(["m.gguf"], ["p"], [0])["models"]["m.gguf"]
+    assert entry["ours_vs_mlx_vlm_defaults"] == 0.5 and entry["ours_vs_mlx_vlm_entropy_bound"] == 2.0
+    assert entry["ours_vs_mlx_vlm_confidence"] == 0.75 and entry["ours_vs_mlx_vlm_dense_defaults"] == 0.25
 
 
 def test_missing_model_is_one_line(tmp_path):

@@ -93,14 +93,19 @@ def _record_quantized_matmuls(monkeypatch) -> list[tuple[str, mx.Dtype, mx.Dtype
     return calls
 
 
-def test_compiled_fast_step_has_no_float32_quantized_matmul(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("built", ["runtime", "direct"])
+def test_compiled_fast_step_has_no_float32_quantized_matmul(tiny_model_dir, monkeypatch, built):
+    from mlx_dgemma.step import StepFunction
+
     rt = load(tiny_model_dir, precision="fast", dtype="bfloat16")
     model = rt.model
     calls = _record_quantized_matmuls(monkeypatch)
     C, V = model.args.canvas_length, model.args.vocab_size
     cache = model.make_cache()
     model.prefill(mx.array([[5, 6, 7, 8]]), cache)
-    step = rt.step(SamplerParams())  # compiled, in the precision's bfloat16
+    # compiled, in the precision's bfloat16: the runtime's step, or one built with no dtype given
+    # (it used to default to float32, which benchmarks/full_size.py timed at 4x on a GPU)
+    step = rt.step(SamplerParams()) if built == "runtime" else StepFunction(model, SamplerParams())
     canvas = mx.random.randint(0, V, (1, C)).astype(mx.int32)
     hist = step.initial_history((1, C))
     calls.clear()

@@ -163,7 +163,7 @@ async def test_settings_validate_and_apply():
         await pilot.click("#save")
         assert isinstance(app.screen, SettingsScreen)
         error = str(app.screen.query_one("#settings-error").render())
-        assert "final temperature (0.9) must be below the first-step temperature (0.8)" in error
+        assert "temperature floor (0.9) must be below the first-step temperature (0.8)" in error
         assert "t_min" not in error and "t_max" not in error  # the labels shown, not internal names
         assert "the temperature falls from the first step to the last" in screen_text(app)  # not clipped
         box.value = "0.3"
@@ -195,7 +195,7 @@ async def test_settings_enter_in_a_field_saves():
 @pytest.mark.parametrize("field, value, expected", [
     ("t_max", "5000", "first-step temperature: 5000 must be a temperature in [0.001, 1000]"),
     ("t_max", "-1", "first-step temperature: -1 must be a temperature in [0.001, 1000]"),
-    ("t_min", "5000", "final temperature: 5000 must be a temperature in [0.001, 1000]"),
+    ("t_min", "5000", "temperature floor: 5000 must be a temperature in [0.001, 1000]"),
     ("max_denoising_steps", "0", "max steps per block: 0 must be an integer in [1, 10000]"),
 ])
 async def test_settings_name_a_fields_range_before_the_rules_between_fields(field, value, expected):
@@ -630,13 +630,26 @@ async def test_the_canvas_key_and_the_demo_banner_fit(size):
 
 
 def test_the_canvas_key_is_the_longest_wording_that_fits():
-    from mlx_dgemma.tui.widgets.canvas import LEGENDS, legend
+    from mlx_dgemma.tui.widgets.canvas import legend, legend_wordings
 
+    wordings = [t.plain for t in legend_wordings()]
     for width in range(20, 90):
         shown = legend(width).plain
-        assert len(shown) <= width or shown == "".join(t for t, _ in LEGENDS[-1])
-        longer = [p for p in LEGENDS if sum(len(t) for t, _ in p) > len(shown)]
-        assert all(sum(len(t) for t, _ in p) > width for p in longer)  # no longer wording would fit
+        assert len(shown) <= width or shown == wordings[-1]
+        longer = [w for w in wordings if len(w) > len(shown)]
+        assert all(len(w) > width for w in longer)  # no longer wording would fit
+
+
+def test_the_canvas_key_reads_as_a_key_not_as_column_headers():
+    # Bare words ("accepted now  accepted before  draft") above a three-column grid were read as
+    # the columns' names: the key says it is one, and each entry carries its colour's swatch.
+    from mlx_dgemma.tui.widgets.canvas import DRAFT, NOW, legend
+
+    key = legend(80)
+    assert key.plain.startswith("key: ")
+    for word, style in (("accepted now", NOW), ("draft", DRAFT)):
+        at = key.plain.index("■ " + word)
+        assert any(s.start <= at < s.end and s.style == style for s in key.spans), (word, key.spans)
 
 
 async def test_canvas_cells_show_whole_words_where_there_is_room():
@@ -729,6 +742,8 @@ async def test_thought_channel_and_system_prompt_from_the_command_line_and_the_s
     async with app.run_test(size=SIZE) as pilot:
         await ask(pilot, backend)
         assert backend.thinks == [True]  # --think reaches the answer
+        modes = lambda: screen(app).query_one("#prompt", Input).border_title  # noqa: E731
+        assert modes() == "thinking on · system prompt set"  # shown while one chats, not only in Ctrl+O
         await pilot.press("ctrl+o")
         assert app.screen.query_one("#set-think", Checkbox).value is True
         assert app.screen.query_one("#set-system", Input).value == "Answer in the style of the KJV."
@@ -741,6 +756,7 @@ async def test_thought_channel_and_system_prompt_from_the_command_line_and_the_s
         await wait_for(pilot, lambda: not screen(app).query(Answer))
         await ask(pilot, backend)
         assert backend.thinks == [True, False]
+        assert modes() == "system prompt set"
         await pilot.press("ctrl+o")  # thinking on again, same system prompt: the chat goes on
         app.screen.query_one("#set-think", Checkbox).value = True
         app.screen.query_one("#save").press()

@@ -64,6 +64,17 @@ INT_FLAGS = {"--canvas": ("canvas", 1, CONTEXT), "--prompt-len": ("prompt_len", 
 CHILD_TIMEOUT_RANGE = (1.0, 1e7)
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` with each option's default, where it has one and its help does not already
+    say it (argparse's own formatter also prints "(default: None)" and repeats stated ones)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or action.nargs == 0:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     """The options of ``mlx-dgemma bench``."""
     p.add_argument("--configs", default="tiny,medium", help="comma-separated: tiny, medium, real-shapes")

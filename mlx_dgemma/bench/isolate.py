@@ -33,8 +33,17 @@ def _child(conn: Any, fn_name: str, kwargs: dict, timeout: float) -> None:
 
     # where a measurement that is about to be killed for its time is stuck (stderr)
     faulthandler.dump_traceback_later(max(1.0, timeout - 5), exit=False)
+    # a peer's warnings (deprecations, "torch not found") printed as they happen landed between
+    # the rows logged as they finish: kept with the result, the table lists them after itself
+    import warnings
+
+    caught = warnings.catch_warnings(record=True)
+    seen = caught.__enter__()
+    warnings.simplefilter("default")
     try:
         res = _target(fn_name)(**kwargs)
+        if isinstance(res, dict) and seen:
+            res["warnings"] = list(dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in seen))
         import mlx.core as mx
 
         from mlx_dgemma.memory import peak_rss_bytes

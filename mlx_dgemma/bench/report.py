@@ -16,14 +16,24 @@ def machine() -> dict:
             "cpus": os.cpu_count()}
 
 
-def row_line(r: dict) -> str:
+NAME_WIDTH = 36  # the implementation column's least width; a longer name widens the whole column
+
+
+def row_line(r: dict, width: int = NAME_WIDTH) -> str:
     """One row of the table: a measurement, or why it was skipped (also logged as it finishes)."""
     if "skipped" in r:
-        return f"{r['impl']:<36} skipped: {r['skipped']}"
+        return f"{r['impl']:<{width}} skipped: {r['skipped']}"
     peak = f"{r['peak_rss_bytes'] / 1e9:.2f}" if r.get("peak_rss_bytes") else "-"
     mpeak = f"{r['mlx_peak_bytes'] / 1e9:.2f}" if r.get("mlx_peak_bytes") else "-"
-    return (f"{r['impl']:<36} {r['seconds_per_step'] * 1e3:>9.1f} "
+    return (f"{r['impl']:<{width}} {r['seconds_per_step'] * 1e3:>9.1f} "
             f"{r['prefill_tokens_per_second']:>13.1f} {peak:>11} {mpeak:>11}")
+
+
+def ratio_line(impl: str, vs: dict[str, float]) -> str:
+    """Our time per step as a multiple of each peer's, said in words (a bare "1.15x" was read
+    as a speed-up)."""
+    return f"{impl}, time per step: " + ", ".join(
+        f"{v:.2f}x {k}'s ({'slower' if v > 1 else 'faster' if v < 1 else 'the same'})" for k, v in vs.items())
 
 
 def table(result: dict) -> str:
@@ -31,13 +41,18 @@ def table(result: dict) -> str:
     lines = [f"machine: {result['machine']['platform']} ({result['machine']['device']}, mlx {result['machine']['mlx']})"
              + ("  (interrupted: what had finished)" if result.get("interrupted") else ""),
              "MLX dense matmul: " + ", ".join(f"{k} {v:.2f} GFLOP/s" for k, v in result["dense_matmul_gflops"].items())]
+    warned: dict[str, list[str]] = {}
     for name, entry in result["configs"].items():
+        width = max([NAME_WIDTH] + [len(r["impl"]) for r in entry["rows"]])
         lines += ["", f"## {name}",
-                  f"{'implementation':<36} {'ms/step':>9} {'prefill tok/s':>13} {'peak RSS GB':>11} {'MLX peak GB':>11}"]
-        lines += [row_line(r) for r in entry["rows"]]
+                  f"{'implementation':<{width}} {'ms/step':>9} {'prefill tok/s':>13} {'peak RSS GB':>11} {'MLX peak GB':>11}"]
+        lines += [row_line(r, width) for r in entry["rows"]]
+        for r in entry["rows"]:
+            for w in r.get("warnings", ()):
+                warned.setdefault(w, []).append(f"{name}: {r['impl']}")
         for ours in (r for r in entry["rows"] if "vs" in r):
             if ours["vs"]:
-                lines.append(f"{ours['impl']}: " + ", ".join(f"{v:.2f}x {k}" for k, v in ours["vs"].items()))
+                lines.append(ratio_line(ours["impl"], ours["vs"]))
             lines.append(f"  {ours['flops_per_step'] / 1e9:.1f} GFLOP/step -> {ours['achieved_gflops']:.1f} GFLOP/s = "
                          f"{ours['fraction_of_dense_matmul']:.0%} of MLX dense {ours['dtype']} matmul; load "
                          f"{ours['load_seconds']:.1f} s, first step {ours['first_step_seconds']:.1f} s")
@@ -74,6 +89,9 @@ def table(result: dict) -> str:
                               else f"{r['seconds_per_step']:.3f} s/step")
             lines.append(f"formats: exact {f['exact']['bytes'] / 1e6:.1f} MB {step(f['exact'])}; "
                          f"compact {f['compact']['bytes'] / 1e6:.1f} MB {step(f['compact'])}")
+    if warned:
+        lines += ["", "warnings raised during the measurements:"]
+        lines += [f"  {w} ({'; '.join(rows)})" for w, rows in warned.items()]
     return "\n".join(lines)
 
 

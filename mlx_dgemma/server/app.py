@@ -462,7 +462,8 @@ async def _stream(job: Job, fmt: Formatter, watcher: asyncio.Task, include_usage
                     yield sse(fmt.delta(tool_calls=calls))
                 # the timings go in the stream's last chunk (llama.cpp's place for them)
                 timings = {"timings": payload.timings} if payload.timings is not None else {}
-                yield sse({**fmt.delta(finish=payload.finish_reason), **({} if include_usage else timings)})
+                yield sse({**fmt.delta(finish=payload.finish_reason, detail=payload.finish_detail),
+                           **({} if include_usage else timings)})
                 if include_usage:
                     yield sse({**fmt.extra(), "usage": payload.usage, **timings})
                 yield "data: [DONE]\n\n"

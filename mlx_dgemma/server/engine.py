@@ -604,13 +604,13 @@ class Engine(Shaping):
                      "prompt_tokens_details": {"cached_tokens": cached},
                      "completion_tokens_details": {"reasoning_tokens": answer.reasoning_tokens}}
             r = Result(answer.content, answer.reasoning, answer.finish_reason, usage, tuple(answer.tool_calls),
-                       logprobs(), clock.timings(cached, prefill, answer.completion_tokens))
+                       logprobs(), clock.timings(cached, prefill, answer.completion_tokens), answer.finish_detail)
             if final:
                 self._deliver(job, r)
             return r
 
-        def add(tokens: tuple[int, ...], text: str, thinking: str, lps: Any = None) -> None:
-            answer.add(tokens, text, thinking)
+        def add(tokens: tuple[int, ...], text: str, thinking: str, lps: Any = None, end: str | None = None) -> None:
+            answer.add(tokens, text, thinking, end)
             if lps is not None and lps[0] is not None:
                 lp, ids, top = (a.tolist() for a in lps)
                 if job.logprobs is not None:
@@ -628,12 +628,13 @@ class Engine(Shaping):
                 last_step = None
                 blocks += 1
                 clock.block(ev.steps)
-                add(ev.tokens, ev.text, ev.thinking, (ev.logprobs, ev.top_ids, ev.top_logprobs))
+                add(ev.tokens, ev.text, ev.thinking, (ev.logprobs, ev.top_ids, ev.top_logprobs), ev.end)
                 if first_block and blocks == 1:
                     job.stats["first_block_s"] = round(time.perf_counter() - job.submitted_at, 4)
                     self.latency["first_block"].observe(time.perf_counter() - job.submitted_at)
                 if job.stream_steps and final:
-                    job.emit("step", {"type": "block", "block": ev.block, "steps": ev.steps, "finished": ev.finished})
+                    job.emit("step", {"type": "block", "block": ev.block, "steps": ev.steps, "finished": ev.finished,
+                                      **({"end": ev.end} if ev.end else {})})
                 if final:  # a snapshot: the worker goes on mutating answer
                     job.emit("text", (*answer.streamable(), tuple(answer.tool_calls), logprobs()))
                 last = ev.finished or ev.block >= n_blocks()  # blocks count from 1

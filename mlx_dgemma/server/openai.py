@@ -22,6 +22,12 @@ def marker_ids(tokenizer: Any) -> tuple[int | None, int | None]:
     return out[0], out[1]
 
 
+# OpenAI's finish_reason for an answer a core guard ended (mlx_dgemma.guards.ENDINGS): the loop
+# trim and the duplicate drop leave a whole answer ("stop"); an unconverged block cuts it short,
+# as a token limit would ("length": a client may ask again)
+GUARD_FINISH = {"repetition": "stop", "duplicate": "stop", "unconverged": "length"}
+
+
 @dataclass
 class Answer:
     """The answer as the client sees it, rebuilt after every committed block.
@@ -50,6 +56,7 @@ class Answer:
     eos: bool = False
     stop_hit: bool = False
     cut: bool = False  # max_tokens ended the answer before an EOS
+    end: str | None = None  # the core's guard that ended the answer (BlockEvent.end), if one did
     tool_calls: list[ToolCall] = field(default_factory=list)  # complete, well-formed calls
     call_open: bool = False  # a tool-call block has begun and is not closed yet
 
@@ -61,9 +68,11 @@ class Answer:
             if len(ids) == 1 and ids[0] not in self.eos_ids:
                 self.eos_ids = (*self.eos_ids, ids[0])
 
-    def add(self, block_tokens: tuple[int, ...], text: str, thinking: str) -> None:
-        """Add one committed block (its tokens and the core's parsed text so far)."""
+    def add(self, block_tokens: tuple[int, ...], text: str, thinking: str, end: str | None = None) -> None:
+        """Add one committed block (its tokens and the core's parsed text so far; ``end``: the
+        guard that ended the answer with it, mlx_dgemma.guards.ENDINGS)."""
         self.tokens += block_tokens
+        self.end = end
         gen = self.tokens
         if self.max_tokens is not None and len(gen) > self.max_tokens:
             gen = gen[: self.max_tokens]
@@ -143,13 +152,23 @@ class Answer:
 
     @property
     def finished(self) -> bool:
-        return self.eos or self.stop_hit or self.cut
+        return self.eos or self.stop_hit or self.cut or self.end is not None
 
     @property
     def finish_reason(self) -> str:
+        """OpenAI's value: a guard's ending is one OpenAI clients know (GUARD_FINISH), the
+        guard itself is :attr:`finish_detail`."""
         if self.tool_calls and self.eos and not self.stop_hit:
             return "tool_calls"
-        return "stop" if self.eos or self.stop_hit else "length"
+        if self.eos or self.stop_hit:
+            return "stop"
+        return GUARD_FINISH[self.end] if self.end in GUARD_FINISH and not self.cut else "length"
+
+    @property
+    def finish_detail(self) -> str | None:
+        """The guard that ended the answer (a non-standard ``finish_detail`` beside OpenAI's
+        ``finish_reason``), where the finish reason is the guard's."""
+        return self.end if self.end in GUARD_FINISH and not (self.eos or self.stop_hit or self.cut) else None
 
     def streamable(self) -> tuple[str, str]:
         """(content, reasoning) safe to send before the answer is final: a trailing U+FFFD may be
@@ -192,6 +211,7 @@ class Result:
     # with logprobs: one entry per counted token ({token, logprob, bytes, top_logprobs}), else None
     logprobs: tuple[dict[str, Any], ...] | None = None
     timings: dict[str, Any] | None = None  # llama.cpp's shape, with its "diffusion" part
+    finish_detail: str | None = None  # the core's guard that ended the answer (Answer.finish_detail)
 
 
 class Formatter:
@@ -230,6 +250,8 @@ class Formatter:
         else:
             choice = {"index": 0, "text": r.content, "finish_reason": r.finish_reason,
                       "logprobs": self.logprobs(r.logprobs)}
+        if r.finish_detail is not None:
+            choice["finish_detail"] = r.finish_detail
         out = {**self._base(False), "choices": [choice], "usage": r.usage}
         if r.timings is not None:
             out["timings"] = r.timings
@@ -253,7 +275,7 @@ class Formatter:
 
     def delta(self, content: str = "", reasoning: str = "", finish: str | None = None,
               role: bool = False, tool_calls: list[tuple[int, ToolCall]] | None = None,
-              logprobs: Any = None) -> dict[str, Any]:
+              logprobs: Any = None, detail: str | None = None) -> dict[str, Any]:
         if self.kind == "chat":
             d: dict[str, Any] = {"role": "assistant"} if role else {}
             if content or role:
@@ -265,6 +287,8 @@ class Formatter:
             choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": self.logprobs(logprobs)}
         else:
             choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": self.logprobs(logprobs)}
+        if detail is not None:  # the final chunk of an answer a core guard ended (Result.finish_detail)
+            choice["finish_detail"] = detail
         return {**self._base(True), "choices": [choice]}
 
     def extra(self, **fields: Any) -> dict[str, Any]:

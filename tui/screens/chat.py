@@ -97,6 +97,7 @@ class ChatScreen(Screen):
 
     def on_mount(self) -> None:
         self.think, self.system = self.backend.think, self.backend.system
+        self._show_modes()
         self.set_interval(1 / REFRESH_HZ, self._flush)
         self.query_one(Input).focus()
 
@@ -270,10 +271,17 @@ class ChatScreen(Screen):
                 self.system = result.system
                 self.action_new_chat()
                 self.app.notify("New chat with " + ("the new system prompt." if self.system else "no system prompt."))
+            self._show_modes()
             self.app.notify(describe(result))
 
         defaults = dict(self.backend.generation_config)
         self.app.push_screen(SettingsScreen({**defaults, **self.params}, defaults, self.think, self.system), done)
+
+    def _show_modes(self) -> None:
+        """The modes that change every answer, on the prompt's border: they are set once (flags,
+        Ctrl+O) and otherwise visible nowhere while one chats."""
+        modes = [m for m, on in (("thinking on", self.think), ("system prompt set", self.system)) if on]
+        self.query_one("#prompt", Input).border_title = " · ".join(modes) or None
 
     def action_replay(self, delta: int) -> None:
         steps = self.trace.steps

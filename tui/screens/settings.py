@@ -92,7 +92,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 self._error(f"{label}: {raw!r} is not {KIND_NAMES[kind]}")
                 return
         # each field's own range first (the API's rule, e.g. a temperature in [0.001, 1000]),
-        # then the rules between fields: 5000 is out of range, not "above the final temperature"
+        # then the rules between fields: 5000 is out of range, not "above the temperature floor"
         for name, value in chosen.items():
             try:
                 check_field(name, value)

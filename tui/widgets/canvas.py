@@ -18,16 +18,17 @@ MAX_ENTROPY = 6.0  # nats; brighter background = more uncertain
 NOW, BEFORE, DRAFT = Style(color="bright_green", bold=True), Style(color="cyan"), Style(color="grey58", italic=True)
 ENTROPY_KEY = "on rgb(140,70,45)"
 # The legend, longest wording first: the first that fits the panel's width is shown whole
-# (a legend cut at the edge used to lose "draft" and the entropy key).
-LEGENDS: list[list[tuple[str, Style | str]]] = [
-    [("accepted now", NOW), ("  ", ""), ("accepted before", BEFORE), ("  ", ""), ("draft", DRAFT), ("  ", ""),
-     ("background: entropy", ENTROPY_KEY)],
-    [("accepted now", NOW), ("  ", ""), ("accepted before", BEFORE), ("  ", ""), ("draft", DRAFT), ("  ", ""),
-     ("bg: entropy", ENTROPY_KEY)],
-    [("accepted: ", ""), ("now", NOW), ("  ", ""), ("before", BEFORE), ("  ", ""), ("draft", DRAFT), ("  ", ""),
-     ("bg: entropy", ENTROPY_KEY)],
-    [("now", NOW), (" ", ""), ("before", BEFORE), (" ", ""), ("draft", DRAFT), (" ", ""), ("bg:H", ENTROPY_KEY)],
+# (a legend cut at the edge used to lose "draft" and the entropy key). It opens with "key:" and
+# marks each entry with a swatch: three bare words above a three-column grid read as column
+# headers.
+LEGENDS: list[tuple[str, list[tuple[str, Style | str]]]] = [
+    ("key: ", [("accepted now", NOW), ("accepted before", BEFORE), ("draft", DRAFT),
+               ("background = entropy", ENTROPY_KEY)]),
+    ("key: ", [("accepted now", NOW), ("accepted before", BEFORE), ("draft", DRAFT), ("bg = entropy", ENTROPY_KEY)]),
+    ("key: ", [("now", NOW), ("before", BEFORE), ("draft", DRAFT), ("bg = entropy", ENTROPY_KEY)]),
+    ("", [("now", NOW), ("before", BEFORE), ("draft", DRAFT), ("bg=H", ENTROPY_KEY)]),
 ]
+SWATCH = "■ "
 
 
 def entropy_bg(h: float) -> str:
@@ -37,12 +38,22 @@ def entropy_bg(h: float) -> str:
     return f"rgb({r},{g},{b})"
 
 
+def legend_wordings() -> list[Text]:
+    """Every wording of the colour key, longest first."""
+    out = []
+    for lead, entries in LEGENDS:
+        sep = "  " if lead else " "
+        parts: list[tuple[str, Style | str]] = [(lead, "dim")]
+        for i, (label, style) in enumerate(entries):
+            parts += [(sep, "")] * (i > 0) + [(SWATCH, style), (label, style)]
+        out.append(Text.assemble(*parts, no_wrap=True))
+    return out
+
+
 def legend(width: int) -> Text:
-    """The colour key in the longest wording that fits ``width`` columns."""
-    for parts in LEGENDS:
-        if sum(len(t) for t, _ in parts) <= width:
-            break
-    return Text.assemble(*parts, no_wrap=True)
+    """The colour key in the longest wording that fits ``width`` columns (the shortest where none does)."""
+    wordings = legend_wordings()
+    return next((t for t in wordings if len(t.plain) <= width), wordings[-1])
 
 
 def cell_width(width: int, height: int, positions: int) -> int:

@@ -43,7 +43,11 @@ def step_parts(ev: StepEvent, blocks: int, spf: float, tpf: float | None, prefil
     return parts
 
 
-FINISHED = {"eos": "finished: end of turn", "length": "stopped: max new tokens reached"}
+FINISHED = {"eos": "finished: end of turn", "length": "stopped: max new tokens reached",
+            # the core's answer guards (mlx_dgemma.guards), each turned off in the settings (0)
+            "repetition": "ended: a repetition loop was trimmed",
+            "duplicate": "ended: a repeated copy was dropped",
+            "unconverged": "ended: a block did not converge"}
 
 
 def plural(n: int, word: str) -> str:
