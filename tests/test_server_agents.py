@@ -225,14 +225,12 @@ def test_padding_ends_an_answer_and_is_not_counted():
     a = Answer(_Tok(), eos_ids=(1,), pad_id=0)
     _add(a, [0] * 6)
     assert (a.content, a.completion_tokens, a.finish_reason) == ("", 0, "stop")
-    # padding inside a block is no token and no text; at the block's end it ends the answer
+    # padding beside text is no token and no text, and the answer goes on; a block of it ends it
     b = Answer(_Tok(), eos_ids=(1,), pad_id=0)
     _add(b, [7, 0, 8, 9, 0, 0])
-    assert (b.content, b.completion_tokens, b.finish_reason) == ("Hello world!", 3, "stop")
-    # a block that goes on after it: not ended
-    c = Answer(_Tok(), eos_ids=(1,), pad_id=0)
-    _add(c, [7, 0, 8])
-    assert (c.content, c.completion_tokens, c.finish_reason) == ("Hello world", 2, "length")
+    assert (b.content, b.completion_tokens, b.finish_reason, b.finished) == ("Hello world!", 3, "length", False)
+    _add(b, [0] * 6)
+    assert (b.content, b.completion_tokens, b.finish_reason, b.finished) == ("Hello world!", 3, "stop", True)
 
 
 def test_seed_minus_one_is_random_and_stop_takes_up_to_64():

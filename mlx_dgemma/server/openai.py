@@ -35,8 +35,8 @@ class Answer:
     ``max_tokens`` cuts the token list exactly (blocks are whole canvases, the API's limit
     is in tokens); ``stop`` cuts the visible text, and ``completion_tokens`` counts the tokens
     up to the one that completed the stop string; the thought channel never reaches content.
-    An EOS ends the answer (counted), and so does padding at the end of the last block without
-    one (the model has ended its answer); padding is never counted, and never text.
+    An EOS ends the answer (counted), and so does a block of padding alone (the model has
+    ended its answer); padding is never counted, and never text.
     """
 
     tokenizer: Any
@@ -80,11 +80,11 @@ class Answer:
             text, thinking = parsed.answer, parsed.thinking
         eos_at = next((i for i, t in enumerate(gen) if t in self.eos_ids), None)
         gen = gen[: eos_at + 1] if eos_at is not None else gen
-        # padding the model wrote itself (no EOS before it) at the end of its last block: it has
-        # ended its answer (a model that answers a tool result with a canvas of padding has
-        # answered nothing, and said so); padding inside a block is no text, and no token of it
-        ended = eos_at is None and self.pad_id is not None and bool(self.tokens) and self.tokens[-1] == self.pad_id \
-            and len(gen) == len(self.tokens)
+        # a block of padding alone (no EOS before it): the model has ended its answer (one that
+        # answers a tool result with a canvas of padding has answered nothing, and said so);
+        # padding beside text is no text and no token, and the answer goes on
+        ended = eos_at is None and self.pad_id is not None and bool(block_tokens) and \
+            all(t == self.pad_id for t in block_tokens) and len(gen) == len(self.tokens)
         self.eos = eos_at is not None or ended
         self.cut = not self.eos and len(gen) < len(self.tokens)
         if self.tools:
