@@ -4,10 +4,12 @@
                                   [--code DIR] [--json results/fairness.json]
 
 A server on the trained demo (``mlx-dgemma serve --demo``, a subprocess) gets one long request
-(a raw continuation of ``--long-blocks`` blocks, at most ``--steps`` denoising steps each, a seed
-that runs them all, the answer guards off), then, once it has started, ``--short`` short chat
-requests at once (one block, each its own seed), each from its own thread with the official
-``openai`` client. Reported per setting: each short request's latency (p50, p95, max), the long one's
+(``--long prompt``, the default: a chat of about 3,800 tokens, whose prefill is 8 chunks of 512,
+each a turn, then one block; ``call``: a forced tool call; ``text``: a raw continuation of up to
+``--long-blocks`` blocks; the demo ends the last two within a block or two, so they hold the
+model only briefly), at most ``--steps`` denoising steps a block; then, once it has started,
+``--short`` short chat requests (one block, each its own seed), one every ``--interval`` seconds
+(0: all at once), each from its own thread with the official ``openai`` client. Reported per setting: each short request's latency (p50, p95, max), the long one's
 latency, and the whole run's wall time. ``--parallel 1`` is one request at a time to its end (the
 server before issue 31); 4 lets four requests take turns at block boundaries (the default now).
 ``--code DIR`` runs the server from another checkout (e.g. main, for a before/after of the code
@@ -26,6 +28,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                            "parameters": {"type": "object", "required": ["city"],
+                                                           "properties": {"city": {"type": "string"}}}}}
+
+
+# about 3,800 tokens of the demo's vocabulary: 8 prefill chunks of 512, each a turn
+LONG_PROMPT = "And the LORD spake unto Moses, saying, Speak unto the children of Israel. " * 250
 
 
 def serve(parallel: int, code: str | None) -> tuple[subprocess.Popen, str, list[str]]:
@@ -68,6 +79,13 @@ def wait_ready(url: str) -> None:
         time.sleep(0.2)
 
 
+def busy(url: str) -> bool:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+        return bool(json.loads(r.read())["busy"])
+
+
 def run(parallel: int, args: argparse.Namespace) -> dict:
     import openai
 
@@ -85,7 +103,16 @@ def run(parallel: int, args: argparse.Namespace) -> dict:
 
         def ask(name: str, content: str, blocks: int, seed: int) -> None:
             t0 = time.perf_counter()
-            if name == "long":  # a raw continuation: the demo goes on verse after verse, no EOS
+            if name == "long" and args.long == "prompt":  # a long document: its prefill's chunks are turns
+                r = client.chat.completions.create(
+                    model="demo", messages=[{"role": "user", "content": LONG_PROMPT + content}], max_tokens=64,
+                    extra_body={**steps, "seed": seed})
+            elif name == "long" and args.long == "call":  # a forced call: the demo never closes one
+                r = client.chat.completions.create(
+                    model="demo", messages=[{"role": "user", "content": content}], tools=[WEATHER],
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=64 * blocks,
+                    extra_body={**steps, **guards_off, "seed": seed})
+            elif name == "long":  # a raw continuation
                 r = client.completions.create(model="demo", prompt=content, max_tokens=64 * blocks,
                                               extra_body={**steps, **guards_off, "seed": seed})
             else:
@@ -99,11 +126,16 @@ def run(parallel: int, args: argparse.Namespace) -> dict:
         long = threading.Thread(target=ask, args=("long", "And it came to pass in those days, that", args.long_blocks,
                                                   args.long_seed))
         long.start()
-        time.sleep(args.head_start)  # the long one holds the model
+        # the long one holds the model: the worker has taken it (its prompt is rendered and
+        # tokenized first, on a handler thread, which takes seconds for the long prompt)
+        while not busy(url):
+            time.sleep(0.1)
+        time.sleep(args.head_start)
         shorts = [threading.Thread(target=ask, args=(f"short{i}", f"Who was king number {i}?", 1, i + 1))
                   for i in range(args.short)]
-        for t in shorts:
+        for t in shorts:  # arriving one every --interval seconds, as users and editors do
             t.start()
+            time.sleep(args.interval)
         for t in [long, *shorts]:
             t.join()
         wall = time.perf_counter() - t0
@@ -125,7 +157,13 @@ def main() -> None:
     p.add_argument("--long-blocks", type=int, default=12, help="blocks of the long request (default 12)")
     p.add_argument("--steps", type=int, default=4, help="denoising steps of a block at most (default 4)")
     p.add_argument("--long-seed", type=int, default=5, help="the long request's seed (5: 12 blocks, no EOS, on the demo)")
-    p.add_argument("--head-start", type=float, default=3.0, help="seconds the long request runs alone first")
+    p.add_argument("--long", choices=("prompt", "call", "text"), default="prompt",
+                   help="the long request: a ~3,800-token prompt (8 prefill chunks, then one block), a forced "
+                        "tool call, or a raw continuation (default prompt: the demo ends the other two within "
+                        "a block or two)")
+    p.add_argument("--interval", type=float, default=0.0, help="seconds between the short requests' arrivals")
+    p.add_argument("--head-start", type=float, default=1.0,
+                   help="seconds the long request runs alone once the worker has taken it (default 1)")
     p.add_argument("--code", default=None, help="run the server from this checkout (PYTHONPATH), e.g. /work/main")
     p.add_argument("--json", default=None, help="write the rows to this file")
     args = p.parse_args()

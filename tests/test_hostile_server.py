@@ -88,7 +88,7 @@ def test_tool_json_of_ordinary_depth_is_served(served):
 def _flags(**kw):
     import argparse
 
-    base = dict(queue_size=1, max_body_mb=1.0, max_request_steps=1, max_request_seconds=None, max_connections=1,
+    base = dict(queue_size=1, parallel=1, max_body_mb=1.0, max_request_steps=1, max_request_seconds=None, max_connections=1,
                 header_timeout=1.0, api_key=None, cors=None)
     return argparse.Namespace(**{**base, **kw})
 

@@ -282,6 +282,7 @@ def test_lone_surrogate_is_a_400_naming_the_field(srv):
 @pytest.mark.parametrize("flags, named", [(["--max-body-mb", "inf"], "--max-body-mb"),
                                           (["--max-body-mb", "nan"], "--max-body-mb"),
                                           (["--max-request-seconds", "-1"], "--max-request-seconds"),
+                                          (["--parallel", "0"], "--parallel"),
                                           (["--header-timeout", "0"], "--header-timeout")])
 def test_bad_flags_fail_before_loading(tmp_path, flags, named):
     env = {**os.environ, "MLX_DGEMMA_CACHE": str(tmp_path)}
@@ -406,4 +407,6 @@ def test_max_request_seconds_answers_what_is_done(keyed):
                                 headers={"Authorization": "Bearer s3cret"})
     assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
     assert time.perf_counter() - t0 < 30  # not the ~40 steps the request asked for
+    # the block in progress comes back as its latest draft (it was 0 tokens: the block had not finished)
+    assert body["usage"]["completion_tokens"] > 0, body
     assert wait_for(lambda: any("timeout=True" in ln for ln in keyed.request_lines()), 10)

@@ -518,8 +518,10 @@ class Engine(Shaping):
         self.totals["tool_repairs"] += 1
         job.stats["repair"] = True
         log.info("%s: tool call %s: %s; repairing its arguments", job.stats.get("id"), name, problem)
-        repaired, _, answer = yield from self._consume(job, self._fresh(job, template=template.pairs(), **room),
-                                                       lambda: 0, final=False)
+        # the answer guards judge free text: here the frame is given and the holes are read by type,
+        # so a block they would re-roll or drop (its holes still uncertain) is the repair's answer
+        repaired, _, answer = yield from self._consume(
+            job, self._fresh(job, template=template.pairs(), **toolcalls.GUARDS_OFF, **room), lambda: 0, final=False)
         if repaired is None:
             return
         if not answer.eos:  # cut short (max_tokens, the deadline): what the first pass gave

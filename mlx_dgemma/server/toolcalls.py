@@ -30,6 +30,8 @@ log = logging.getLogger("mlx_dgemma.server")
 HOLE = {"string": 12, "integer": 3, "number": 4, "boolean": 1, "null": 1}
 FIRST_PASS_TOKENS = 512  # the first pass's answer at most: a call not closed by then goes to the repair pass
 MAX_REPAIR_KEYS = 16  # a schema with more properties (and none required) is repaired with the first 16
+# the repair pass runs without the answer guards (mlx_dgemma.guards): the frame is fixed, only its holes are the model's
+GUARDS_OFF = {"commit_entropy": 0, "repetition_trim": 0, "duplicate_drop": 0, "empty_rerolls": 0}
 NAME_TOP_LOGPROBS = 20  # "required": the name's positions' most likely tokens, to choose a declared name by
 
 
