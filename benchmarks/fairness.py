@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -101,7 +102,15 @@ def run(parallel: int, args: argparse.Namespace) -> dict:
 
         blocks_run: dict[str, int] = {}
 
+        errors: dict[str, str] = {}
+
         def ask(name: str, content: str, blocks: int, seed: int) -> None:
+            try:
+                answer(name, content, blocks, seed)
+            except Exception as e:  # noqa: BLE001 - reported in the row, not lost in a thread
+                errors[name] = f"{type(e).__name__}: {e}"[:200]
+
+        def answer(name: str, content: str, blocks: int, seed: int) -> None:
             t0 = time.perf_counter()
             if name == "long" and args.long == "prompt":  # a long document: its prefill's chunks are turns
                 r = client.chat.completions.create(
@@ -139,11 +148,12 @@ def run(parallel: int, args: argparse.Namespace) -> dict:
         for t in [long, *shorts]:
             t.join()
         wall = time.perf_counter() - t0
-        s = sorted(v for k, v in results.items() if k.startswith("short"))
+        s = sorted(v for k, v in results.items() if k.startswith("short")) or [math.nan]
         return {"parallel": parallel, "code": args.code or "this checkout", "short_s": [round(x, 2) for x in s],
                 "short_p50_s": round(statistics.median(s), 2),
                 "short_p95_s": round(s[min(len(s) - 1, round(0.95 * (len(s) - 1)))], 2), "short_max_s": round(s[-1], 2),
-                "long_s": round(results["long"], 2), "long_blocks": blocks_run.get("long"), "wall_s": round(wall, 2),
+                "long_s": round(results.get("long", math.nan), 2), "long_blocks": blocks_run.get("long"),
+                "errors": errors, "wall_s": round(wall, 2),
                 "load_before_after": [round(load0, 1), round(os.getloadavg()[0], 1)]}
     finally:
         proc.terminate()
