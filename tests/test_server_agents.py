@@ -231,6 +231,10 @@ def test_padding_ends_an_answer_and_is_not_counted():
     assert (b.content, b.completion_tokens, b.finish_reason, b.finished) == ("Hello world!", 3, "length", False)
     _add(b, [0] * 6)
     assert (b.content, b.completion_tokens, b.finish_reason, b.finished) == ("Hello world!", 3, "stop", True)
+    # max_tokens counts tokens, not padding: cut after the second
+    c = Answer(_Tok(), eos_ids=(1,), pad_id=0, max_tokens=2)
+    _add(c, [7, 0, 0, 8, 9, 10])
+    assert (c.content, c.completion_tokens, c.finish_reason) == ("Hello world", 2, "length")
 
 
 def test_seed_minus_one_is_random_and_stop_takes_up_to_64():

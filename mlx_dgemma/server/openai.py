@@ -75,9 +75,17 @@ class Answer:
         self.end = end
         gen = self.tokens
         if self.max_tokens is not None and len(gen) > self.max_tokens:
-            gen = gen[: self.max_tokens]
-            parsed = parse_answer(self.tokenizer.decode(gen))
-            text, thinking = parsed.answer, parsed.thinking
+            # max_tokens counts tokens, and padding is none: the cut is after the max_tokens-th other one
+            counted, at = 0, len(gen)
+            for i, t in enumerate(gen):
+                counted += t != self.pad_id
+                if counted == self.max_tokens:
+                    at = i + 1
+                    break
+            if at < len(gen):
+                gen = gen[:at]
+                parsed = parse_answer(self.tokenizer.decode(gen))
+                text, thinking = parsed.answer, parsed.thinking
         eos_at = next((i for i, t in enumerate(gen) if t in self.eos_ids), None)
         gen = gen[: eos_at + 1] if eos_at is not None else gen
         # a block of padding alone (no EOS before it): the model has ended its answer (one that
