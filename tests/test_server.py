@@ -24,7 +24,9 @@ from mlx_dgemma.chat_template import THOUGHT_CLOSE, THOUGHT_OPEN  # noqa: E402
 from mlx_dgemma.server import Answer, Deltas  # noqa: E402
 
 QUEUE = 2  # waiting requests before 503
-FAST = {"max_denoising_steps": 1}  # sent as extra body fields: one block, one step
+# sent as extra body fields: one block, one step; a one-step block never meets the stopping rule,
+# so the commit guard (tested in test_guards.py) is off for these tests of the server's mechanics
+FAST = {"max_denoising_steps": 1, "commit_entropy": 0}
 MODEL = "mlx-dgemma-demo"
 
 
