@@ -343,6 +343,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         params = SamplerParams.from_config(gen_cfg, **overrides)
         params.check_model(model.args.vocab_size)
+    template = None
+    if args.canvas_template is not None:
+        from .canvas import CanvasTemplate
+
+        template = CanvasTemplate.parse(args.canvas_template, tokenizer)
+        C = model.args.canvas_length
+        template.check(model.args.vocab_size, -(-params.max_new_tokens // C) * C, name="--canvas-template")
     # a step line on a terminal only, and never in the way of the answer: where the answer
     # goes to the same terminal, only until its first words are written
     progress = None
@@ -352,7 +359,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         progress = StepLine(math.ceil(params.max_new_tokens / model.args.canvas_length))
     shared_tty = sys.stdout.isatty()
     for ev in stream_generate(runtime, prompt, generation_config=gen_cfg,
-                              enable_thinking=args.think, chat=not args.raw, **overrides):
+                              enable_thinking=args.think, chat=not args.raw, template=template, **overrides):
         if isinstance(ev, PrefillEvent) and not args.json:
             print(f"[prefill] {ev.tokens} tokens in {ev.seconds:.2f} s", file=sys.stderr)
         if isinstance(ev, StepEvent) and trace is not None:
@@ -589,6 +596,10 @@ def add_model_commands(sub: argparse._SubParsersAction, command: str | None = No
     g.add_argument("--show-drafts", action="store_true", help="print each step's draft to stderr")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--trace", metavar="FILE", help="write every denoising step as JSON lines to FILE")
+    g.add_argument("--canvas-template", metavar="TEXT",
+                   help="fix the answer's first positions to TEXT's tokens, held by the denoiser; {{N}} in TEXT "
+                        "leaves N positions for the model (e.g. 'Name: {{4}}. Age: {{2}}.'), and so does "
+                        "everything after TEXT")
     add_precision_args(g)
     add_sampler_args(g)
     g.epilog = GENERATE_EPILOG

@@ -57,7 +57,7 @@ def msg(text: str = "hi", **kw: Any) -> dict:
 def srv(tmp_path_factory):
     s = Server(str(tmp_path_factory.mktemp("demo")), "--queue-size", "2", "--max-body-mb", "2",
                "--max-request-steps", "400", "--max-connections", "12", "--header-timeout", "1",
-               "--body-timeout", "2")
+               "--body-timeout", "2", "--parallel", "1")
     try:
         s.wait_ready(300)
         yield s
@@ -102,7 +102,9 @@ def test_overlong_prompt_is_refused_by_its_size_before_tokenizing():
     big = "word " * 20_000  # 100 kB: at least 100000 / 17 > 4096 tokens whatever the tokenizer does
     with pytest.raises(ContextLengthError) as err:
         e.prepare_chat([{"role": "user", "content": big}], False, {})
-    assert err.value.status == 413 and err.value.param == "messages" and "bytes" in err.value.message
+    assert err.value.status == 400 and err.value.param == "messages" and "bytes" in err.value.message
+    # the limit that applies is the context's (4096 tokens of at most 17 bytes), not the template's 4M characters
+    assert "maximum context length is 4096 tokens" in err.value.message and "at most 69632 bytes" in err.value.message
     with pytest.raises(ContextLengthError) as err:
         e.prepare_completion(big, {})
     assert err.value.param == "prompt"
@@ -122,7 +124,8 @@ def test_a_message_beyond_the_template_budget_is_named_not_the_template():
 def test_huge_prompt_does_not_stall_health(srv):
     t0 = time.perf_counter()
     status, _, body = post(srv, {"messages": [{"role": "user", "content": "x" * (1900 << 10)}]})
-    assert status == 413 and body["error"]["param"] == "messages" and "bytes" in body["error"]["message"]
+    assert status == 400 and body["error"]["param"] == "messages" and "bytes" in body["error"]["message"]
+    assert body["error"]["code"] == "context_length_exceeded"
     assert srv.raw("GET", "/health")[0] == 200
     assert time.perf_counter() - t0 < 30
 
@@ -164,12 +167,17 @@ def test_stalled_body_is_answered_408(srv):
 # --------------------------------------------------------------------------- F3: the work budget, HEAD
 
 
-def test_work_budget_is_a_400_naming_the_field(srv):
+def test_work_budget_caps_the_blocks_and_refuses_only_a_block_beyond_it(srv):
     status, _, body = post(srv, msg(max_denoising_steps=10_000, stability_threshold=10_000, max_tokens=4032))
     assert status == 400 and body["error"]["param"] == "max_denoising_steps", body
     assert body["error"]["code"] == "work_budget_exceeded" and "--max-request-steps" in body["error"]["message"]
-    status, _, body = post(srv, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4032})
-    assert status == 400 and body["error"]["param"] == "max_tokens", body  # 48 default steps x 63 blocks
+    # more blocks than the budget pays for: capped like the context caps them (was a 400 to a
+    # client's default max_tokens)
+    e = _engine()  # a budget of 4096 steps
+    params = {"max_new_tokens": 4032, "max_denoising_steps": 64}
+    assert e.fit(10, params) is None and params["max_new_tokens"] == 4032  # 63 blocks x 64 steps fit
+    params = {"max_new_tokens": 4032, "max_denoising_steps": 128}
+    assert e.fit(10, params) == 32 * 64 and params["max_new_tokens"] == 32 * 64
 
 
 def test_head_on_get_routes(srv):
@@ -273,6 +281,7 @@ def test_lone_surrogate_is_a_400_naming_the_field(srv):
 @pytest.mark.parametrize("flags, named", [(["--max-body-mb", "inf"], "--max-body-mb"),
                                           (["--max-body-mb", "nan"], "--max-body-mb"),
                                           (["--max-request-seconds", "-1"], "--max-request-seconds"),
+                                          (["--parallel", "0"], "--parallel"),
                                           (["--header-timeout", "0"], "--header-timeout")])
 def test_bad_flags_fail_before_loading(tmp_path, flags, named):
     env = {**os.environ, "MLX_DGEMMA_CACHE": str(tmp_path)}
@@ -326,7 +335,9 @@ def test_any_model_name_is_served_by_the_one_model(srv):
                                                                       "max_denoising_steps": 1})):
         status, _, answer = post(srv, body, path)
         assert status == 200 and answer["model"] == "mlx-dgemma-demo", answer
-    assert srv.raw("GET", "/v1/models/gpt-4o")[0] == 404  # the list and the lookup are unchanged
+    # and looked up: clients look a name up before they use it
+    status, _, card = srv.raw("GET", "/v1/models/gpt-4o")
+    assert status == 200 and card["id"] == "mlx-dgemma-demo" and card["max_model_len"] == 4096
 
 
 def test_response_format_is_refused_not_ignored(srv):
@@ -395,4 +406,6 @@ def test_max_request_seconds_answers_what_is_done(keyed):
                                 headers={"Authorization": "Bearer s3cret"})
     assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
     assert time.perf_counter() - t0 < 30  # not the ~40 steps the request asked for
+    # the block in progress comes back as its latest draft (it was 0 tokens: the block had not finished)
+    assert body["usage"]["completion_tokens"] > 0, body
     assert wait_for(lambda: any("timeout=True" in ln for ln in keyed.request_lines()), 10)

@@ -27,15 +27,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     """The server's own flags (the model flags come from ``mlx_dgemma.cli``)."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
-    p.add_argument("--queue-size", type=int, default=16,
-                   help="requests that may wait behind the running one before 503 (default 16)")
+    p.add_argument("--queue-size", type=int, default=64,
+                   help="requests that may wait for their first turn before 503 (default 64)")
+    p.add_argument("--parallel", type=int, default=4, metavar="N",
+                   help="requests that take turns on the model, one block each (default 4; each holds its "
+                        "own KV cache): a short request waits for a block of each, not for a long one")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MB (default 16)")
     p.add_argument("--model-id", help="the model name clients send (default: the file or directory name)")
     p.add_argument("--max-request-steps", type=int, default=4096, metavar="N",
-                   help="work budget of one request: denoising steps x blocks (default 4096); more is a 400")
-    p.add_argument("--max-request-seconds", type=float, default=None, metavar="S",
-                   help="stop a request's generation after S seconds, answering what is done with "
-                        "finish_reason 'length' (default: no limit)")
+                   help="work budget of one request: denoising steps x blocks (default 4096); an answer "
+                        "asking for more blocks is capped, finish_reason 'length'")
+    p.add_argument("--max-request-seconds", type=float, default=300.0, metavar="S",
+                   help="stop a request's generation once it has had S seconds of the model's time, answering "
+                        "what is done (the block in progress as its latest draft) with finish_reason 'length' "
+                        "(default 300; 0: no limit)")
     p.add_argument("--max-connections", type=int, default=256, metavar="N",
                    help="connections kept open (default 256): past N, the oldest that carry no whole request "
                         "(silent, idle, still sending) are closed to make room; a newcomer is refused with 503 "
@@ -70,8 +75,10 @@ def check_args(args: argparse.Namespace) -> None:
     finite("--max-body-mb", args.max_body_mb, 0.001, 1e6)
     if args.max_request_steps < 1:
         raise ParameterError(f"--max-request-steps {args.max_request_steps}: must be at least 1")
+    if args.parallel < 1:
+        raise ParameterError(f"--parallel {args.parallel}: must be at least 1")
     if args.max_request_seconds is not None:
-        finite("--max-request-seconds", args.max_request_seconds, 0.001, 1e9)
+        finite("--max-request-seconds", args.max_request_seconds, 0, 1e9)
     if args.max_connections < 1:
         raise ParameterError(f"--max-connections {args.max_connections}: must be at least 1")
     finite("--header-timeout", args.header_timeout, 0.1, 3600)
@@ -157,7 +164,7 @@ def _settings(args: argparse.Namespace) -> tuple[Any, Any]:
     from .engine import Limits
 
     limits = Limits(queue_size=args.queue_size, max_request_steps=args.max_request_steps,
-                    max_request_seconds=args.max_request_seconds)
+                    max_request_seconds=args.max_request_seconds or None, parallel=args.parallel)
     # the Host is checked on a loopback bind (DNS rebinding), elsewhere only where names are given
     hosts = check_host_names(args.allowed_hosts or [])
     settings = Settings(max_body_bytes=int(args.max_body_mb * (1 << 20)), body_timeout=args.body_timeout,
@@ -238,7 +245,7 @@ def main(args: argparse.Namespace) -> int:
             config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10,
                                     timeout_keep_alive=30, ws="none",
                                     http=guarded_protocol(args.max_connections, args.header_timeout,
-                                                          args.body_timeout))
+                                                          args.body_timeout, engine.connection_refused))
             config.load()  # its imports (protocols, loop) here, not in server.run before the signals are taken
             server = Server(config)
     except KeyboardInterrupt:

@@ -30,7 +30,7 @@ import math
 import re
 import secrets
 import time
-from typing import Any
+from typing import Any, Callable
 
 from mlx_dgemma.server.errors import APIError
 
@@ -249,8 +249,10 @@ class _QuietUvicorn(logging.Filter):
         return not str(record.msg).startswith(self.DROP)
 
 
-def guarded_protocol(max_connections: int, header_timeout: float, body_timeout: float) -> type:
-    """uvicorn's h11 protocol, guarded.
+def guarded_protocol(max_connections: int, header_timeout: float, body_timeout: float,
+                     on_refused: Callable[[], None] | None = None) -> type:
+    """uvicorn's h11 protocol, guarded (``on_refused()`` is called for each connection refused or
+    closed to make room: /metrics counts them).
 
     - ``max_connections`` open, and room made for newcomers: past the limit, once the loop has
       read what the newcomers sent (two turns later), the oldest connections that carry no
@@ -313,6 +315,8 @@ def guarded_protocol(max_connections: int, header_timeout: float, body_timeout: 
                 transport.write(busy)
                 transport.close()
                 refused.note(f"{max_connections} connections carry requests (--max-connections)")
+                if on_refused is not None:
+                    on_refused()
                 return
             super().connection_made(transport)
             self._since = next(order)
@@ -353,6 +357,8 @@ def guarded_protocol(max_connections: int, header_timeout: float, body_timeout: 
             victim = next((c for c in spare if not unread_bytes(c.transport)), spare[0])
             victim._close(busy)
             displaced.note(f"{max_connections} connections are open (--max-connections)")
+            if on_refused is not None:
+                on_refused()
             return True
 
         def _close(self, answer: bytes | None) -> None:
