@@ -13,7 +13,7 @@ import math
 import numbers
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import mlx.core as mx

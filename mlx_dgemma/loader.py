@@ -248,7 +248,7 @@ def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: st
     from mlx_dgemma.precision import resolve_precision
 
     try:
-        prec = resolve_precision(precision, dtype)
+        resolve_precision(precision, dtype)  # a bad precision or dtype is refused before the load
         path = resolve_model(model, demo)
         agree_startup()  # every rank found its model: load
         if demo:  # auto planned like any model's (resolving it first settled it as fast)
