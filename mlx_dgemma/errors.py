@@ -59,6 +59,52 @@ def _terminating() -> list[int]:
     return [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
 
 
+def _interrupt(signum: int) -> KeyboardInterrupt:
+    """The exception a signal becomes: KeyboardInterrupt for Ctrl+C, :class:`Terminated` otherwise."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+# The command's own hold, from its first statement to its last (hold_signals_at_start to
+# end_signal_hold): the handlers it replaced, and the signals that arrived while they were noted
+_start_held: dict[int, object] = {}
+_arrived: list[int] = []
+
+
+def _note_arrival(signum, frame) -> None:
+    _arrived.append(signum)
+
+
+def hold_signals_at_start() -> None:
+    """The command's first statement (``mlx_dgemma.__main__``, before the rest of it is imported):
+    Ctrl+C, SIGTERM and SIGHUP are noted, not acted on, until ``main()`` enters
+    :func:`terminate_as_interrupt`, which raises the first of them there (the one line, the usual
+    status), and again after that block (the command's last words) until :func:`end_signal_hold`.
+    Without it a SIGTERM or SIGHUP in the imports before ``main()`` (~0.5 s on a loaded machine)
+    killed the command without a word, and a Ctrl+C printed a traceback. A signal that is ignored
+    (``nohup``; Ctrl+C in a shell's background job) or has a handler of the caller's is left
+    alone. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s, default in [(signal.SIGINT, signal.default_int_handler)] + [(s, signal.SIG_DFL) for s in _terminating()]:
+        if signal.getsignal(s) == default:
+            _start_held[s] = signal.signal(s, _note_arrival)
+
+
+def end_signal_hold(ignore: bool) -> None:
+    """After the command's ``main()`` returned (its work done and kept, its status known), the
+    signals :func:`hold_signals_at_start` holds are, with ``ignore``, ignored while the interpreter
+    exits, so that the status is the command's: that exit tears torch and MLX down (plan,
+    generate: 3 s on a loaded machine) and Python drops its handlers before it, so a signal there
+    ended the process by that signal without a word. Without ``ignore`` they get their handlers
+    from before back (under ``mlx.launch``, which ends ranks with SIGTERM alone). Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s, h in _start_held.items():
+        if signal.getsignal(s) is _note_arrival:
+            signal.signal(s, signal.SIG_IGN if ignore else h)
+    _start_held.clear()
+
+
 @contextmanager
 def hold_interrupts() -> Iterator[None]:
     """Hold Ctrl+C (and SIGTERM/SIGHUP under :func:`terminate_as_interrupt`) until the block is
@@ -86,18 +132,34 @@ def hold_interrupts() -> Iterator[None]:
         for s, h in ours.items():
             signal.signal(s, h)
     if held:
-        raise KeyboardInterrupt if held[0] == signal.SIGINT else Terminated(held[0])
+        raise _interrupt(held[0])
 
 
 @contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM and SIGHUP raise KeyboardInterrupt (with ``signum``) like Ctrl+C, so the same
-    clean-up runs; only in the main thread (where Python delivers signals)."""
+    clean-up runs; only in the main thread (where Python delivers signals). One that is ignored
+    stays ignored (``nohup`` ignores SIGHUP so that a command outlives its terminal).
+
+    After :func:`hold_signals_at_start` it takes the signals over for the block: Ctrl+C raises
+    again, and the first signal that arrived since then is raised as the block begins."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.signal(s, _raise_terminated) for s in _terminating()}
+    old: dict[int, object] = {}
+    for s in _terminating():
+        h = signal.getsignal(s)
+        if h != signal.SIG_IGN:
+            old[s] = h  # hold_signals_at_start's note, if it held it: noted again after the block
+            signal.signal(s, _raise_terminated)
+    if signal.getsignal(signal.SIGINT) is _note_arrival and signal.SIGINT in _start_held:
+        old[signal.SIGINT] = _note_arrival
+        signal.signal(signal.SIGINT, _start_held[signal.SIGINT])  # Ctrl+C raises again
     try:
+        if _arrived:  # since hold_signals_at_start: raised here, where the caller handles it
+            first = _arrived[0]
+            _arrived.clear()
+            raise _interrupt(first)
         yield
     finally:
         for s, h in old.items():

@@ -144,3 +144,84 @@ def test_kill_int_ends_chat_with_the_one_line(tmp_path):
         os.close(primary)
     assert code == 130 and b"mlx-dgemma chat: interrupted; nothing partial was kept" in out, (code, out[-500:])
     assert b"Traceback" not in out
+
+
+# A signal sent from inside the command as the command line's module begins to import: where
+# a SIGTERM or Ctrl+C landed in the first ~0.5 s of every command (Python's start-up, then
+# mlx_dgemma.cli's imports, before main() installed its handlers). `entry` is how the command is
+# started: `python -m mlx_dgemma`, or the console script's entry point as pip's script calls it.
+EARLY = textwrap.dedent("""
+    import importlib, os, signal, sys, time
+    from importlib.metadata import entry_points
+
+    class Hook:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name == "mlx_dgemma.cli":
+                os.kill(os.getpid(), signal.{sig})
+                time.sleep(0.2)  # the handler runs here
+            return None
+
+    sys.meta_path.insert(0, Hook)
+    sys.argv = ["mlx-dgemma", "plan", "/nonexistent/model"]
+    if "{entry}" == "module":
+        import runpy
+        runpy.run_module("mlx_dgemma", run_name="__main__", alter_sys=True)
+    else:
+        ep = entry_points(group="console_scripts")["mlx-dgemma"]
+        sys.exit(getattr(importlib.import_module(ep.module), ep.attr)())
+""")
+
+
+@pytest.mark.parametrize("entry", ["module", "console-script"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_signal_before_main_is_one_line(entry, sig, tmp_path):
+    """SIGTERM/SIGHUP before main() killed the command without a word (status -15/-1), Ctrl+C
+    printed a KeyboardInterrupt traceback: the entry now notes them from its first statement and
+    main() raises the first one where it prints the one line (status 128 + signal, 130)."""
+    # cwd: not the source tree, whose mlx_dgemma.egg-info (an older build's metadata) would be found first
+    r = subprocess.run([sys.executable, "-c", EARLY.format(sig=sig, entry=entry)], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    signum = getattr(signal, sig)
+    assert r.returncode == (130 if signum == signal.SIGINT else 128 + signum), (r.returncode, r.stderr[-2000:])
+    assert r.stderr.splitlines() == ["mlx-dgemma: interrupted; nothing partial was kept"], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_signal_in_the_interpreters_exit_keeps_the_status(sig):
+    """After main() returned, the interpreter's exit (torch's and MLX's teardown: seconds on a
+    loaded machine) ended by the signal, without a word: now the status is the command's."""
+    script = textwrap.dedent(f"""
+        import atexit, os, signal, sys, time
+        def late():
+            os.kill(os.getpid(), signal.{sig})
+            time.sleep(0.2)
+        atexit.register(late)
+        sys.argv = ["mlx-dgemma", "plan", "/nonexistent/model"]
+        import runpy
+        runpy.run_module("mlx_dgemma", run_name="__main__", alter_sys=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])  # plan's: no such model
+    assert len(r.stderr.splitlines()) == 1 and "/nonexistent/model" in r.stderr, r.stderr[-2000:]
+
+
+def test_an_ignored_sighup_stays_ignored():
+    """``nohup mlx-dgemma ...`` ignores SIGHUP so that the command outlives its terminal; the
+    command line turned it back into a stop (status 129). Now ignored stays ignored (Ctrl+C
+    ignored in a background job too, as before)."""
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts it
+        from mlx_dgemma import cli
+        real = cli.build_parser
+        def build_parser(argv):
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.2)
+            return real(argv)
+        cli.build_parser = build_parser
+        sys.exit(cli.main(["plan", "/nonexistent/model"]))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "/nonexistent/model" in r.stderr and "interrupted" not in r.stderr, \
+        (r.returncode, r.stderr[-2000:])
