@@ -103,47 +103,102 @@ def test_sigterm_while_the_parser_is_built_is_one_line(tmp_path):
     assert r.stderr.splitlines() == ["mlx-dgemma: interrupted; nothing partial was kept"], r.stderr
 
 
-def test_kill_int_ends_chat_with_the_one_line(tmp_path):
-    """``kill -INT`` to a running chat app ended it with status 0 and no word (asyncio.run turned
-    SIGINT into a cancellation that Textual took for a normal exit); now as SIGTERM: the one line,
-    130. Run on a pseudo-terminal; every wait is bounded (the outcome does not depend on timing:
-    the signal is sent once the app is idle and ready)."""
-    import fcntl
-    import pty
-    import select
-    import struct
-    import termios
+class _ChatOnPty:
+    """``cmd`` (the chat app) on a pseudo-terminal of 100x30; every wait bounded."""
 
-    primary, secondary = pty.openpty()
-    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_dgemma", "chat", "--demo"], stdin=secondary,
-                            stdout=secondary, stderr=secondary, close_fds=True, cwd=tmp_path,
-                            env={**os.environ, "MLX_DGEMMA_CACHE": str(tmp_path / "cache"), "TERM": "xterm-256color"})
-    os.close(secondary)
-    out = b""
+    def __init__(self, cmd: list[str], tmp_path):
+        import fcntl
+        import pty
+        import struct
+        import termios
 
-    def read_until(pred, seconds: float) -> bool:
-        nonlocal out
+        self.primary, secondary = pty.openpty()
+        fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+        self.proc = subprocess.Popen(cmd, stdin=secondary, stdout=secondary, stderr=secondary, close_fds=True,
+                                     cwd=tmp_path, env={**os.environ, "MLX_DGEMMA_CACHE": str(tmp_path / "cache"),
+                                                        "TERM": "xterm-256color"})
+        os.close(secondary)
+        self.out = b""
+
+    def read_until(self, pred, seconds: float) -> bool:
+        import select
+
         deadline = time.monotonic() + seconds
         while not pred() and time.monotonic() < deadline:
-            if select.select([primary], [], [], 0.2)[0]:
+            if select.select([self.primary], [], [], 0.2)[0]:
                 try:
-                    out += os.read(primary, 65536)
+                    self.out += os.read(self.primary, 65536)
                 except OSError:  # the app exited and closed the terminal
                     return pred()
         return pred()
 
+    def wait(self, seconds: float) -> int:
+        try:
+            self.read_until(lambda: self.proc.poll() is not None, seconds)
+            return self.proc.wait(5)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        if self.primary is not None:
+            os.close(self.primary)
+            self.primary = None
+
+
+def test_kill_int_ends_chat_with_the_one_line(tmp_path):
+    """``kill -INT`` to a running chat app ended it with status 0 and no word (asyncio.run turned
+    SIGINT into a cancellation that Textual took for a normal exit); now as SIGTERM: the one line,
+    130. Run on a pseudo-terminal; every wait is bounded (the outcome does not depend on timing:
+    the signal is sent once the app is idle and ready, waiting in the event loop's select)."""
+    chat = _ChatOnPty([sys.executable, "-m", "mlx_dgemma", "chat", "--demo"], tmp_path)
     try:
-        assert read_until(lambda: b"ready: demo model" in out, 120), out[-2000:]
-        proc.send_signal(signal.SIGINT)
-        read_until(lambda: proc.poll() is not None, 60)
-        code = proc.wait(5)
+        assert chat.read_until(lambda: b"ready: demo model" in chat.out, 120), chat.out[-2000:]
+        chat.proc.send_signal(signal.SIGINT)
+        code = chat.wait(60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(primary)
+        chat.close()
+    out = chat.out
     assert code == 130 and b"mlx-dgemma chat: interrupted; nothing partial was kept" in out, (code, out[-500:])
     assert b"Traceback" not in out
+
+
+# The chat app with a signal sent from inside the chat screen's message handler (a task of the
+# event loop), as the status line says the model is ready
+CHAT_SIGNALLED = textwrap.dedent("""
+    import os, signal, sys
+    from mlx_dgemma.tui.widgets import status
+    real = status.StatusLine.update
+    def update(self, content="", **kw):
+        real(self, content, **kw)
+        if str(content).startswith("ready: "):
+            os.kill(os.getpid(), signal.{sig})
+            for _ in range(100000):  # the handler runs here, inside the task
+                pass
+    status.StatusLine.update = update
+    from mlx_dgemma.cli import main
+    sys.exit(main(["chat", "--demo"]))
+""")
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_inside_the_chat_apps_event_loop_is_one_line(sig, tmp_path):
+    """The handlers raised the interrupt inside whichever task of the event loop ran: after the
+    one line came "Task exception was never retrieved" and a traceback (2 of 10 ``kill -INT``
+    to an idle app; every time when it lands in a task, as here). Now the handler asks the app
+    to exit, and the interrupt is raised once it has."""
+    chat = _ChatOnPty([sys.executable, "-c", CHAT_SIGNALLED.format(sig=sig)], tmp_path)
+    try:
+        code = chat.wait(180)
+    finally:
+        chat.close()
+    signum = getattr(signal, sig)
+    out = chat.out.replace(b"\r\n", b"\n")
+    assert code == (130 if signum == signal.SIGINT else 128 + signum), (code, out[-1500:])
+    tail = out[out.rindex(b"\x1b") + 1:] if b"\x1b" in out else out  # after the app's last escape code
+    assert b"Traceback" not in out and b"never retrieved" not in out, out[-1500:]
+    assert tail.rstrip().endswith(b"mlx-dgemma chat: interrupted; nothing partial was kept"), out[-1500:]
 
 
 # A signal sent from inside the command as the command line's module begins to import: where

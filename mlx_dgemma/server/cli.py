@@ -229,6 +229,8 @@ def main(args: argparse.Namespace) -> int:
     from collections.abc import Iterator
     from contextlib import contextmanager
 
+    from mlx_dgemma.errors import raising_signals
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:  # the first signal: answer every open request now
@@ -244,8 +246,7 @@ def main(args: argparse.Namespace) -> int:
             # main's `except KeyboardInterrupt` takes. An ignored SIGHUP (nohup) stays ignored.
             with super().capture_signals():
                 hup = getattr(signal, "SIGHUP", None)
-                if hup is None or threading.current_thread() is not threading.main_thread() or \
-                        signal.getsignal(hup) == signal.SIG_IGN:
+                if threading.current_thread() is not threading.main_thread() or hup not in raising_signals():
                     yield
                     return
                 old = signal.signal(hup, self.handle_exit)
