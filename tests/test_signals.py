@@ -1,9 +1,11 @@
-"""Ctrl+C and SIGTERM while a command imports native code: held until the import is done.
+"""Ctrl+C, SIGTERM and SIGHUP at any moment of a command: the one line and the usual status.
 
 A signal that lands inside mlx.core's nanobind init was swallowed (the command ran to its end),
-inside torch's (imported by mlx-lm through transformers) it aborted the process (status -6), and
-a SIGTERM before the parser was built killed the process without the one line. These tests are
-deterministic: they check where the imports happen, or send the signal from inside the code."""
+inside torch's (imported by mlx-lm through transformers) it aborted the process (status -6); a
+SIGTERM before main() killed the process without the one line, a Ctrl+C there printed a
+traceback; in the chat app's event loop the interrupt landed in a task (a traceback after the
+line). These tests are deterministic: they check where the imports happen, or send the signal
+from inside the code, at the moment that failed."""
 
 from __future__ import annotations
 
