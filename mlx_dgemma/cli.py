@@ -804,7 +804,7 @@ def _run(argv: list[str]) -> int:
 
             quiet_other_ranks()  # under mlx.launch rank 0 alone prints
             code = int(args.func(args) or 0)
-        sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at the interpreter's exit
+            sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at the interpreter's exit
         return code
     except DGemmaError as e:
         from .launch import launched

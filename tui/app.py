@@ -44,8 +44,12 @@ class DGemmaApp(App):
         self.last_export: Path | None = None
         self.load_error: str | None = None  # set while the model could not be loaded
         self.engines: list[Engine] = []  # every engine started (a failed load leaves one, maybe still stopping)
+        self.signals: list[int] = []  # SIGINT/SIGTERM/SIGHUP received (run_app's _signals_end_app): the app exits
 
     def on_mount(self) -> None:
+        if self.signals:  # one came before the event loop ran
+            self.exit()
+            return
         if self.backend is None:
             from .screens.welcome import WelcomeScreen
 
@@ -138,26 +142,39 @@ class DGemmaApp(App):
 
 
 @contextmanager
-def _sigint_raises() -> Iterator[None]:
-    """``kill -INT`` ends the app as SIGTERM does: KeyboardInterrupt, then the CLI's one line and
-    status 130. Left to asyncio.run (Textual's ``app.run``), SIGINT became a cancellation that
-    Textual took for a normal exit: status 0 and no word. (Ctrl+C typed in the app is a key.)"""
+def _signals_end_app(app: DGemmaApp) -> Iterator[None]:
+    """``kill -INT``, SIGTERM and SIGHUP end the app, then ``run_app`` raises the interrupt: the
+    CLI's one line, status 130 (128 + the signal for the others). The handler only notes the
+    signal and asks the app to exit: raised inside the event loop (as this did for SIGINT, and
+    terminate_as_interrupt's handler for the others), the interrupt landed in whichever task ran
+    and "Task exception was never retrieved" with its traceback followed the one line (3 of 20
+    ``kill -INT``). Left to asyncio.run, SIGINT became a cancellation that Textual took for a
+    normal exit: status 0 and no word. (Ctrl+C typed in the app is a key.)"""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield  # not ours to change (a test runner, an embedding app)
+    from mlx_dgemma.errors import raising_signals
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
 
-    def interrupt(signum, frame):  # not default_int_handler itself: asyncio.run would take that over
-        raise KeyboardInterrupt
+    def end(signum, frame):
+        app.signals.append(signum)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # the loop has not started (on_mount looks) or is over (run_app looks)
+            return
+        loop.call_soon_threadsafe(app.exit)  # the loop may sit in select: threadsafe wakes it
 
-    signal.signal(signal.SIGINT, interrupt)
+    # the signals that raise (an ignored one stays ignored); not default_int_handler: asyncio.run
+    # would take SIGINT over
+    old = {s: signal.signal(s, end) for s in raising_signals()}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def run_app(model: str | None = None, demo: bool = False, dtype: str | None = None,
@@ -179,11 +196,15 @@ def run_app(model: str | None = None, demo: bool = False, dtype: str | None = No
     need_terminal("chat")  # the command line asked already; a caller of run_app may not have
     app = DGemmaApp(backend)
     try:
-        with _sigint_raises():
+        with _signals_end_app(app):
             app.run()
     finally:
         app.stop_engine()  # however the app ended (Ctrl+Q has waited already: not twice as long)
         stopped = app.join_engine(1.0 if app.stopping else QUIT_WAIT_S)
+    if app.signals:
+        from mlx_dgemma.errors import as_interrupt
+
+        raise as_interrupt(app.signals[0])
     if app.load_error is not None:
         print(f"mlx-dgemma chat: error: {app.load_error}", file=sys.stderr)
     code = app.return_code or 0

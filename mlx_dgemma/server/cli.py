@@ -231,11 +231,36 @@ def main(args: argparse.Namespace) -> int:
         print(f"mlx-dgemma serve: error: {e}", file=sys.stderr, flush=True)
         os._exit(e.exit_code)
 
+    import signal
+    import threading
+    from collections.abc import Iterator
+    from contextlib import contextmanager
+
+    from mlx_dgemma.errors import raising_signals
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:  # the first signal: answer every open request now
                 engine.begin_shutdown()
             super().handle_exit(sig, frame)
+
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # SIGHUP stops the server as SIGTERM does (uvicorn takes SIGINT and SIGTERM only): left
+            # to terminate_as_interrupt's handler it raised inside whatever the event loop ran (a
+            # traceback; once inside a request's log call, and the server ran on) and streams were
+            # cut off without their shutdown event. uvicorn raises it again once stopped, which
+            # main's `except KeyboardInterrupt` takes. An ignored SIGHUP (nohup) stays ignored.
+            with super().capture_signals():
+                hup = getattr(signal, "SIGHUP", None)
+                if threading.current_thread() is not threading.main_thread() or hup not in raising_signals():
+                    yield
+                    return
+                old = signal.signal(hup, self.handle_exit)
+                try:
+                    yield
+                finally:
+                    signal.signal(hup, old)
 
     try:
         with hold_interrupts():  # until uvicorn takes the signals over in server.run
