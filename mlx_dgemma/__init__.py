@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 
 _EVENTS = ("StepEvent", "BlockEvent", "DoneEvent", "PrefillEvent", "PrefillProgressEvent", "Event")
 
-__all__ = ["load", "load_demo", "generate", "stream_generate", "ChatSession", "Runtime", *_EVENTS, "__version__"]
+__all__ = ["load", "load_demo", "generate", "stream_generate", "ChatSession", "Runtime", "GenerationRequest",
+           *_EVENTS, "__version__"]
 
 
 def __getattr__(name: str):
@@ -24,6 +25,10 @@ def __getattr__(name: str):
         from .runtime import Runtime
 
         return Runtime
+    if name == "GenerationRequest":  # standard library only
+        from .request import GenerationRequest
+
+        return GenerationRequest
     if name in ("generate", "stream_generate", "ChatSession"):
         from . import generation as g
 

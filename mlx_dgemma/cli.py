@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .errors import DGemmaError, Terminated, hold_interrupts, terminate_as_interrupt
@@ -19,6 +20,7 @@ from .stdio import standard_streams, stdout_closed  # imported here: no import b
 
 if TYPE_CHECKING:
     from .events import StepEvent
+    from .request import GenerationRequest
 
 
 # --------------------------------------------------------------------------- convert, verify
@@ -157,21 +159,21 @@ def memory_limit(args: argparse.Namespace) -> int | None:
     return parse_size(value)
 
 
-def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The sampler flags given, checked one by one (range, finiteness) before any loading (and
-    before MLX is imported: the rules live in ``params``, standard library only)."""
-    from .params import check_generation_field as check_field
+def sampler_overrides(args: argparse.Namespace) -> GenerationRequest:
+    """The sampler flags given, as the core's request: each checked (range, finiteness) before
+    any loading (and before MLX is imported: the rules live in ``params``, standard library
+    only); an error names the flag typed."""
+    from .request import GenerationRequest
 
-    out = {k: getattr(args, k) for k in flags() if getattr(args, k, None) is not None}
-    for k, v in out.items():
-        with flag_errors(out):
-            check_field(k, v)
-    return out
+    given = {k: getattr(args, k) for k in flags() if getattr(args, k, None) is not None}
+    with flag_errors(given):
+        return GenerationRequest.of(given)
 
 
 @contextmanager
-def flag_errors(overrides: dict[str, Any]) -> Iterator[None]:
-    """Restate a ParameterError about a generation parameter set by a flag with the flag's name."""
+def flag_errors(overrides: Mapping[str, Any]) -> Iterator[None]:
+    """Restate a ParameterError about a generation parameter set by a flag in the flag's
+    words: ``--steps 0: must be ...`` (the registry's rule, as every front end says it)."""
     from .errors import ParameterError
 
     try:
@@ -179,29 +181,8 @@ def flag_errors(overrides: dict[str, Any]) -> Iterator[None]:
     except ParameterError as e:
         if e.param not in overrides or not e.rule:
             raise
-        raise ParameterError(f"{flags()[e.param]} {overrides[e.param]!r}: must be {e.rule}",
-                             param=e.param, rule=e.rule) from e
-
-
-def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | None = None) -> None:
-    """Validate the sampler flags against the model's defaults; errors name the flag typed."""
-    from .errors import ParameterError
-    from .sampler import SamplerParams
-
-    try:
-        SamplerParams.from_config(generation_config, **overrides)
-    except ParameterError as e:
-        flag = flags()  # generation parameter -> the flag that sets it (errors name what the user typed)
-        if e.param not in flag:
-            raise
-        if e.param == "t_max" and "t_max" not in overrides:  # only --t-min was given: name it
-            t_max = SamplerParams.from_config(generation_config).t_max
-            raise ParameterError(f"--t-min {overrides['t_min']}: must be below the first-step temperature "
-                                 f"({t_max}); lower --t-min or raise --t-max") from None
-        t_min = overrides.get("t_min", (generation_config or {}).get("t_min", SamplerParams.t_min))
-        rule = {"sc_top_k": "an integer >= 1 (leave --sc-top-k out for exact self-conditioning)",
-                "t_max": f"above the temperature floor (--t-min, {t_min})"}.get(e.param, e.rule)
-        raise ParameterError(f"{flag[e.param]} {overrides.get(e.param)}: must be {rule}") from None
+        raise ParameterError(e.restated(f"{flags()[e.param]} {overrides[e.param]!r}"), param=e.param, rule=e.rule,
+                             note=e.note) from None
 
 
 def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precision: str = "auto",
@@ -297,7 +278,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from .tokenizer import check_text
 
     # every argument first, with the standard library only: a mistake answers at once
-    overrides = sampler_overrides(args)
+    request = sampler_overrides(args)
     from .tiers import check_precision_dtype  # no MLX
 
     check_precision_dtype(args.precision, args.dtype)
@@ -321,7 +302,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     limit = memory_limit(args)
     runtime = load_for_cli(model_path, args.demo, args.dtype, args.precision, limit)
     model, tokenizer, gen_cfg = runtime.model, runtime.tokenizer, runtime.generation_config
-    check_sampler_flags(overrides, gen_cfg)  # against the model's own defaults
+    with flag_errors(request.params):  # the flags against the model's config and vocabulary, before any work
+        params = request.resolve(gen_cfg)
+        params.check_model(model.args.vocab_size)
     if runtime.demo_kind is not None and not args.json:
         from .demo import DEMO_NOTICES
 
@@ -330,26 +313,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     done: DoneEvent | None = None
     trace = None
     if trace_out is not None:
-        from .sampler import SamplerParams
         from .trace import Trace, settings_in_effect, trace_header
 
-        params_in_effect = SamplerParams.from_config(gen_cfg, **overrides)
-        settings = settings_in_effect(params_in_effect, runtime.sc_top_k(params_in_effect))
+        settings = settings_in_effect(params, runtime.sc_top_k(params))
         trace = Trace(header=trace_header(prompt, settings, "demo model" if args.demo else str(model_path),
                                           runtime.precision.label, seed=settings.pop("seed"),
                                           thinking=args.think, raw=args.raw))
-    with flag_errors(overrides):  # the flags against the model's config and vocabulary, before any work
-        from .sampler import SamplerParams
-
-        params = SamplerParams.from_config(gen_cfg, **overrides)
-        params.check_model(model.args.vocab_size)
-    template = None
     if args.canvas_template is not None:
         from .canvas import CanvasTemplate
 
         template = CanvasTemplate.parse(args.canvas_template, tokenizer)
         C = model.args.canvas_length
         template.check(model.args.vocab_size, -(-params.max_new_tokens // C) * C, name="--canvas-template")
+        request = request.with_options(template=template)
     # a step line on a terminal only, and never in the way of the answer: where the answer
     # goes to the same terminal, only until its first words are written
     progress = None
@@ -358,8 +334,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         progress = StepLine(math.ceil(params.max_new_tokens / model.args.canvas_length))
     shared_tty = sys.stdout.isatty()
-    for ev in stream_generate(runtime, prompt, generation_config=gen_cfg,
-                              enable_thinking=args.think, chat=not args.raw, template=template, **overrides):
+    for ev in stream_generate(runtime, prompt, request=request, generation_config=gen_cfg,
+                              enable_thinking=args.think, chat=not args.raw):
         if isinstance(ev, PrefillEvent) and not args.json:
             print(f"[prefill] {ev.tokens} tokens in {ev.seconds:.2f} s", file=sys.stderr)
         if isinstance(ev, StepEvent) and trace is not None:

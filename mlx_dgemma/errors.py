@@ -19,12 +19,22 @@ class ModelFilesError(DGemmaError):
 
 
 class ParameterError(DGemmaError, ValueError):
-    """A parameter value is out of its allowed range. ``param`` (the field name) and ``rule``
-    (what is allowed) let a front end restate the error with its own name, e.g. a CLI flag."""
+    """A parameter value is out of its allowed range. ``param`` (the field name), ``rule`` (what
+    is allowed: the registry's text, ``mlx_dgemma.params``) and ``note`` (why, where a rule
+    between fields says more) let a front end restate the error with its own name for the
+    field (:meth:`restated`): a CLI flag, a request field, a settings label."""
 
-    def __init__(self, message: str, param: str | None = None, rule: str | None = None):
+    def __init__(self, message: str, param: str | None = None, rule: str | None = None, note: str = ""):
         super().__init__(message)
-        self.param, self.rule = param, rule
+        self.param, self.rule, self.note = param, rule, note
+
+    def restated(self, name: str, value: str | None = None) -> str:
+        """The error in a front end's words: ``NAME: must be RULE`` (``NAME: VALUE must be RULE``
+        with ``value``), then the note; the message itself where there is no rule to restate."""
+        if not self.rule:
+            return str(self)
+        said = f"{name}: {value} must be {self.rule}" if value is not None else f"{name}: must be {self.rule}"
+        return f"{said}; {self.note}" if self.note else said
 
 
 class OutputError(DGemmaError):

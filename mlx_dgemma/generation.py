@@ -29,6 +29,7 @@ from .gpu import memory_errors, wired_limit
 from .guards import duplicate_cut, empty_answer, loop_start, unconverged
 from .memory import check_fits, estimate, peak_memory_bytes, reset_peak_memory
 from .model import DEFAULT_PREFILL_CHUNK
+from .request import GenerationRequest
 from .runtime import Runtime, check_runtime
 from .sampler import SamplerParams, finalize_block, temperature, token_logprobs
 from .step import StepFunction
@@ -153,16 +154,18 @@ class ChatSession:
                                                  add_generation_prompt=generation_prompt,
                                                  enable_thinking=self.enable_thinking))
 
-    def stream(self, user: str, cancel: Callable[[], bool] | None = None, logprobs: int | None = None,
-               **overrides: Any) -> Iterator[Event]:
-        """Answer ``user``; yields events (see :func:`stream_generate`, ``logprobs`` too). The
-        consumer should iterate to the end: after the DoneEvent the cache is brought up to the answer."""
+    def stream(self, user: str, cancel: Callable[[], bool] | None = None, logprobs: int | None = None, *,
+               request: GenerationRequest | None = None, **overrides: Any) -> Iterator[Event]:
+        """Answer ``user``; yields events (see :func:`stream_generate`: ``request``, or its
+        keyword form, ``logprobs`` and the sampler settings as ``overrides``). The consumer
+        should iterate to the end: after the DoneEvent the cache is brought up to the answer."""
+        request = GenerationRequest.build(request, overrides, logprobs=logprobs, who="ChatSession.stream")
         if not isinstance(user, str):
             raise ParameterError(f"prompt: expected the user's message as text, got {type(user).__name__}",
                                  param="prompt")
         if not user.strip():
             raise ParameterError("prompt: empty; give some text")
-        params = self.params.with_overrides(**overrides)
+        params = self.params.with_overrides(**request.params)
         messages = self.messages + [{"role": "user", "content": user}]
         full = self._render(messages, True)
         # the end of the user's turn: what the next turn's render shares with this one
@@ -182,7 +185,8 @@ class ChatSession:
         try:
             for ev in _run(self.runtime, self.cache, full[n:], params, self.dtype, cancel,
                            history_len=n, chunk_size=self.prefill_chunk_size,
-                           checkpoint=(mark - n, lambda: saved.append(self.cache.checkpoint())), logprobs=logprobs):
+                           checkpoint=(mark - n, lambda: saved.append(self.cache.checkpoint())),
+                           logprobs=request.logprobs, template=request.template):
                 if isinstance(ev, DoneEvent):
                     answer_ids = list(ev.tokens)
                 yield ev
@@ -209,7 +213,8 @@ class ChatSession:
 
 
 def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[int],
-                    *mlx_lm_args: Any, generation_config: dict | None = None, dtype: mx.Dtype | None = None,
+                    *mlx_lm_args: Any, request: GenerationRequest | None = None,
+                    generation_config: dict | None = None, dtype: mx.Dtype | None = None,
                     enable_thinking: bool = False, chat: bool = True,
                     cancel: Callable[[], bool] | None = None,
                     prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK, logprobs: int | None = None,
@@ -224,10 +229,15 @@ def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[
 
     ``prompt`` is a user message (rendered with the chat template unless ``chat=False``: then
     the text is continued and the answer keeps its whitespace, e.g. a leading space),
-    a list of messages, or token ids. ``params`` override generation_config values
-    (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
-    confidence_threshold, max_new_tokens, seed, sc_top_k, accept_probability). Without ``generation_config`` the
-    runtime's own (``runtime.generation_config``, from :func:`mlx_dgemma.load`) is used.
+    a list of messages, or token ids.
+
+    ``request`` (a :class:`~mlx_dgemma.request.GenerationRequest`, checked when it was built)
+    holds the answer's settings; or give them as keywords: ``params`` override
+    generation_config values (the parameters of ``mlx_dgemma.params``: max_denoising_steps,
+    t_min, t_max, entropy_bound, stability_threshold, confidence_threshold, max_new_tokens,
+    seed, sc_top_k, accept_probability, the answer guards'), with ``logprobs`` and ``template``
+    below. Without ``generation_config`` the runtime's own (``runtime.generation_config``, from
+    :func:`mlx_dgemma.load`) is used.
 
     ``logprobs`` (an integer k >= 0; None, the default, costs nothing): each BlockEvent carries
     its tokens' log-probabilities and the k most likely tokens per position, under the
@@ -238,7 +248,8 @@ def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[
     """
     check_runtime(runtime, "stream_generate", mlx_lm_args)  # (model, tokenizer, prompt) gets a one-line why
     tokenizer = runtime.tokenizer
-    p = SamplerParams.from_config(_defaults(runtime, generation_config), **params)
+    request = GenerationRequest.build(request, params, logprobs=logprobs, template=template)
+    p = request.resolve(_defaults(runtime, generation_config))
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ParameterError("prompt: empty; give some text")
@@ -253,8 +264,8 @@ def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[
         raise ParameterError("prompt: no tokens; give some text")
     # a raw text prompt is continued: its answer keeps the whitespace a chat answer's loses
     yield from _run(runtime, runtime.model.make_cache(), ids, p, dtype, cancel, history_len=0,
-                    chunk_size=prefill_chunk_size, logprobs=logprobs, strip=not (isinstance(prompt, str) and not chat),
-                    template=CanvasTemplate.of(template))
+                    chunk_size=prefill_chunk_size, logprobs=request.logprobs,
+                    strip=not (isinstance(prompt, str) and not chat), template=request.template)
 
 
 def _token_ids(prompt: Any) -> list[int]:

@@ -36,6 +36,7 @@ import numpy as np
 
 from .errors import DGemmaError
 from .events import Event
+from .request import GenerationRequest
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -98,11 +99,12 @@ class ModelRuntime:
         return self.lockstep is None or self.lockstep.rank == 0
 
     # rank 0's calls ------------------------------------------------------
-    def generate(self, prompt: str | list[dict[str, str]] | list[int], *, cancel: Callable[[], bool] | None = None,
-                 enable_thinking: bool = False, chat: bool = True, **params: Any) -> Iterator[Event]:
-        """``stream_generate`` with this runtime's generation config (every rank runs it)."""
+    def generate(self, prompt: str | list[dict[str, str]] | list[int], request: GenerationRequest | None = None, *,
+                 cancel: Callable[[], bool] | None = None, enable_thinking: bool = False,
+                 chat: bool = True) -> Iterator[Event]:
+        """``stream_generate`` of ``request`` with this runtime's generation config (every rank runs it)."""
         return self._lead({"op": "generate", "prompt": prompt, "enable_thinking": enable_thinking, "chat": chat,
-                           "params": params}, cancel)
+                           "request": request or GenerationRequest()}, cancel)
 
     def new_chat(self, *, enable_thinking: bool = False, system: str | None = None,
                  messages: list[dict[str, str]] | None = None) -> None:
@@ -110,13 +112,13 @@ class ModelRuntime:
         self._lead_call({"op": "new_chat", "enable_thinking": enable_thinking, "system": system,
                          "messages": messages})
 
-    def chat(self, user: str, *, cancel: Callable[[], bool] | None = None, enable_thinking: bool | None = None,
-             messages: list[dict[str, str]] | None = None, **params: Any) -> Iterator[Event]:
-        """The next turn of the current session (:meth:`new_chat` first): ``session.stream``.
-        ``enable_thinking`` and ``messages`` (the conversation before ``user``) replace the
-        session's when given."""
+    def chat(self, user: str, request: GenerationRequest | None = None, *, cancel: Callable[[], bool] | None = None,
+             enable_thinking: bool | None = None, messages: list[dict[str, str]] | None = None) -> Iterator[Event]:
+        """The next turn of the current session (:meth:`new_chat` first): ``session.stream`` of
+        ``request``. ``enable_thinking`` and ``messages`` (the conversation before ``user``)
+        replace the session's when given."""
         return self._lead({"op": "chat", "user": user, "enable_thinking": enable_thinking, "messages": messages,
-                           "params": params}, cancel)
+                           "request": request or GenerationRequest()}, cancel)
 
     def shutdown(self) -> None:
         """Tell the followers to return from :meth:`follow` (once; nothing in one process)."""
@@ -137,37 +139,29 @@ class ModelRuntime:
         from .generation import stream_generate
 
         if op["op"] == "generate":
-            return stream_generate(self.runtime, op["prompt"], generation_config=self.generation_config,
-                                   enable_thinking=op["enable_thinking"], chat=op["chat"], cancel=cancel,
-                                   **op["params"])
+            return stream_generate(self.runtime, op["prompt"], request=op["request"],
+                                   generation_config=self.generation_config,
+                                   enable_thinking=op["enable_thinking"], chat=op["chat"], cancel=cancel)
         if self.session is None:
             self._new_chat({})
         if op.get("enable_thinking") is not None:
             self.session.enable_thinking = bool(op["enable_thinking"])
         if op.get("messages") is not None:
             self.session.messages = [dict(m) for m in op["messages"]]
-        return self.session.stream(op["user"], cancel=cancel, **op["params"])
+        return self.session.stream(op["user"], cancel=cancel, request=op["request"])
 
     def _seeded(self, op: dict[str, Any]) -> dict[str, Any]:
         """``op`` with a seed where it would have none: every rank must draw the same noise."""
-        from dataclasses import fields
-
-        from .sampler import SamplerParams
-
-        params = op["params"]
-        # the sampler's own fields only: the others (logprobs, template) are stream_generate's
-        sampler = {f.name for f in fields(SamplerParams)}
-        params_in = {k: v for k, v in params.items() if k in sampler}
+        request: GenerationRequest = op["request"]
         try:
-            if op["op"] == "generate":
-                seed = SamplerParams.from_config(self.generation_config, **params_in).seed
+            if op["op"] == "chat" and self.session is not None:
+                seed = self.session.params.with_overrides(**request.params).seed
             else:
-                seed = (self.session.params if self.session is not None
-                        else SamplerParams.from_config(self.generation_config)).with_overrides(**params_in).seed
+                seed = request.resolve(self.generation_config).seed
         except DGemmaError:
             return op  # every rank raises the same error when it runs
         if seed is None:
-            op = {**op, "params": {**params, "seed": time.time_ns() % (2**63)}}
+            op = {**op, "request": request.with_params(seed=time.time_ns() % (2**63))}
         return op
 
     def _lead(self, op: dict[str, Any], cancel: Callable[[], bool] | None) -> Iterator[Event]:
@@ -187,7 +181,7 @@ class ModelRuntime:
             return said[-1] != GO
 
         op = self._seeded(op)
-        ls.broadcast(op)
+        ls.broadcast(_wire(op))
         events = self._events(op, check)
         before = self._before(op)
         try:
@@ -223,7 +217,7 @@ class ModelRuntime:
         assert self.lockstep is not None and not self.leader
         ls = self.lockstep
         while True:
-            op = ls.broadcast(None)
+            op = _unwire(ls.broadcast(None))
             kind = op.get("op")
             if kind == "shutdown":
                 return
@@ -247,6 +241,16 @@ class ModelRuntime:
                 pass  # rank 0 meets the same error and reports it
             except Exception:  # noqa: BLE001 - the follower goes on with the next operation
                 log.exception("operation %s failed on rank %d", kind, ls.rank)
+
+
+def _wire(op: dict[str, Any]) -> dict[str, Any]:
+    """``op`` as the broadcast carries it: JSON (a request in its JSON form)."""
+    return {**op, "request": op["request"].to_json()} if "request" in op else op
+
+
+def _unwire(op: dict[str, Any]) -> dict[str, Any]:
+    """A broadcast ``op`` as the core takes it (:func:`_wire` undone)."""
+    return {**op, "request": GenerationRequest.from_json(op["request"])} if "request" in op else op
 
 
 def run_follower(runtime: Runtime, command: str) -> NoReturn:

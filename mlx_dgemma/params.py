@@ -17,6 +17,7 @@ run's own setting, off (None) unless given, and has no default to show.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,22 @@ PARAMS: tuple[Param, ...] = (  # in the order of ``generate --help``
 )
 
 
+@dataclass(frozen=True)
+class Order:
+    """A rule between two parameters: ``low``'s value below ``high``'s."""
+
+    low: str
+    high: str
+    why: str  # what the rule keeps true, said after it
+
+
+# The rules between parameters: checked on the values in effect (the model's defaults filling in
+# what a request leaves out), by SamplerParams and so for every front end alike.
+ORDERS: tuple[Order, ...] = (
+    Order("t_min", "t_max", "the temperature falls from the first step to the last"),
+)
+
+
 def get(name: str) -> Param | None:
     """The parameter called ``name`` (None: not a registry parameter)."""
     return next((p for p in PARAMS if p.name == name), None)
@@ -168,3 +185,24 @@ def check_generation_field(name: str, value: Any) -> None:
     ok = (is_int(value) if kind == "int" else is_number(value)) and low <= value <= high
     if not ok:
         raise ParameterError(f"{name} = {value!r}: must be {text}", param=name, rule=text)
+
+
+def check_orders(values: Mapping[str, Any], given: Collection[str] = (),
+                 defaults: Mapping[str, Any] | None = None) -> None:
+    """The rules between parameters (:data:`ORDERS`) on ``values``, the values in effect. The
+    error names the parameter that was given (``given``: the lower one when only it was, else
+    the higher one), its rule the other's value; ``defaults`` (the model's own values, where
+    known) are quoted after the rule's reason."""
+    for order in ORDERS:
+        low, high = values.get(order.low), values.get(order.high)
+        if low is None or high is None or low < high:
+            continue
+        name = order.low if order.low in given and order.high not in given else order.high
+        other = order.high if name == order.low else order.low
+        param = get(other)
+        rule = f"{'below' if name == order.low else 'above'} the {param.label if param and param.label else other} " \
+               f"({values[other]})"
+        note = order.why
+        if defaults is not None and defaults.get(order.low) is not None and defaults.get(order.high) is not None:
+            note += f" (this model's defaults are {defaults[order.low]} and {defaults[order.high]})"
+        raise ParameterError(f"{name} = {values[name]!r}: must be {rule}; {note}", param=name, rule=rule, note=note)

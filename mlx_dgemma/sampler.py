@@ -8,11 +8,12 @@ argmax and kept for the rest of the block, and the block stops once every positi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import Any
 
 import mlx.core as mx
 
+from . import params as registry
 from .errors import ParameterError
 from .schema import SamplerDefaults
 from .params import check_generation_field as check_field
@@ -30,41 +31,65 @@ class SamplerParams(SamplerDefaults):
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any] | None, **overrides: Any) -> "SamplerParams":
+        """The model's defaults (``cfg``: its generation_config) with ``overrides`` (None: not
+        given), checked: each field's range, then the rules between fields (the error names
+        the field given)."""
         names = {f.name for f in fields(cls)}
         base = {k: v for k, v in (cfg or {}).items() if k in names}
         unknown = set(overrides) - names
         if unknown:
             raise ParameterError(f"unknown generation parameter(s) {sorted(unknown)}; known: {sorted(names)}")
-        base.update({k: v for k, v in overrides.items() if v is not None})
-        if isinstance(base.get("eos_token_id"), int):
-            base["eos_token_id"] = (base["eos_token_id"],)
-        if isinstance(base.get("eos_token_id"), list):
-            base["eos_token_id"] = tuple(base["eos_token_id"])
-        p = cls(**base)
-        p.validate()
+        given = {k: v for k, v in overrides.items() if v is not None}
+        p = cls(**_tuples({**base, **given}))
+        p.validate(given, defaults=base if given else None)
         return p
 
     def with_overrides(self, **kw: Any) -> "SamplerParams":
-        p = replace(self, **{k: v for k, v in kw.items() if v is not None})
-        p.validate(defaults=self)
+        given = {k: v for k, v in kw.items() if v is not None}
+        p = replace(self, **_tuples(given))
+        p.validate(given, defaults={f.name: getattr(self, f.name) for f in fields(self)})
         return p
 
-    def validate(self, defaults: "SamplerParams | None" = None) -> None:
-        """Check every field (types, finite ranges) and the schedule; ParameterError names the field.
-        ``defaults`` (the values before a caller's overrides) are quoted in the schedule's error."""
+    def validate(self, given: Any = (), defaults: dict[str, Any] | None = None) -> None:
+        """Check every field (types, finite ranges), then the rules between them
+        (``mlx_dgemma.params.ORDERS``); ParameterError names the field. ``given``: the fields a
+        caller set (the error names one of them); ``defaults``: the values before its overrides,
+        quoted in the error (the model's own, not the reference's: the demo's are 0.05 and 0.25)."""
         for f in fields(self):
             check_field(f.name, getattr(self, f.name))
-        if not self.t_max > self.t_min:
-            # the model's own defaults, not the reference's (the demo's are 0.05 and 0.25)
-            quoted = f" (this model's defaults are {defaults.t_min} and {defaults.t_max})" if defaults else ""
-            raise ParameterError(f"t_min = {self.t_min!r}, t_max = {self.t_max!r}: the schedule needs "
-                                 f"0 < t_min < t_max{quoted}", param="t_max", rule="greater than t_min")
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        registry.check_orders(values, given, {**values_of(SamplerDefaults()), **defaults} if defaults is not None
+                              else None)
 
     def check_model(self, vocab_size: int) -> None:
         """Checks that need the model: ``sc_top_k`` at most the vocabulary."""
         if self.sc_top_k is not None and self.sc_top_k > vocab_size:
             raise ParameterError(f"sc_top_k = {self.sc_top_k}: must be at most the vocabulary size "
                                  f"({vocab_size})", param="sc_top_k", rule=f"an integer in [1, {vocab_size}]")
+
+
+def values_of(p: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict (shallow: tuples stay tuples)."""
+    return {f.name: getattr(p, f.name) for f in fields(p)}
+
+
+def _tuples(values: dict[str, Any]) -> dict[str, Any]:
+    """``eos_token_id`` as a tuple (generation_config.json and requests give a list or one id)."""
+    eos = values.get("eos_token_id")
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        return {**values, "eos_token_id": (eos,)}
+    if isinstance(eos, list):
+        return {**values, "eos_token_id": tuple(eos)}
+    return values
+
+
+# A registry parameter the class does not declare yet gets a field here (None = off): a new
+# parameter reaches generation from its registry entry alone, for the code that reads it.
+_UNDECLARED = [(p.name, p.kind | None, field(default=None)) for p in registry.PARAMS
+               if p.name not in {f.name for f in fields(SamplerParams)}]
+if _UNDECLARED:
+    SamplerParams = make_dataclass("SamplerParams", _UNDECLARED, bases=(SamplerParams,), frozen=True,  # type: ignore[misc]
+                                   namespace={"__module__": __name__})
 
 
 def temperature(steps_left: int, p: SamplerParams) -> float:

@@ -36,6 +36,7 @@ def fits(out: str) -> None:
     from mlx_dgemma.events import DoneEvent
     from mlx_dgemma.loader import open_model
     from mlx_dgemma.lockstep import ModelRuntime
+    from mlx_dgemma.request import GenerationRequest
 
     if RANK == 1:
         generation.check_fits = fail_once("this prompt needs 9.0 GB but 4.0 GB is available on rank 1's Mac")
@@ -45,11 +46,11 @@ def fits(out: str) -> None:
         return
     seen: dict = {}
     try:
-        for _ in rt.generate(PROMPT, **PARAMS):
+        for _ in rt.generate(PROMPT, GenerationRequest.of(PARAMS)):
             pass
     except DGemmaError as e:
         seen["error"] = [type(e).__name__, str(e)]
-    seen["text"] = [ev.text for ev in rt.generate(PROMPT, **PARAMS) if isinstance(ev, DoneEvent)]
+    seen["text"] = [ev.text for ev in rt.generate(PROMPT, GenerationRequest.of(PARAMS)) if isinstance(ev, DoneEvent)]
     rt.shutdown()
     with open(out, "w") as f:
         json.dump(seen, f)

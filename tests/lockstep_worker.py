@@ -13,6 +13,7 @@ from mlx_dgemma import distributed
 from mlx_dgemma.events import DoneEvent, StepEvent
 from mlx_dgemma.loader import open_model
 from mlx_dgemma.lockstep import ModelRuntime
+from mlx_dgemma.request import GenerationRequest
 
 FAST = {"seed": 1, "max_new_tokens": 128, "max_denoising_steps": 4}
 
@@ -23,8 +24,8 @@ def turn(rt: ModelRuntime, text: str, cancel_after: int | None = None, leave_aft
     check says stop); ``leave_after`` steps: the consumer stops iterating."""
     steps = 0
     done = None
-    events = rt.chat(text, cancel=lambda: cancel_after is not None and steps >= cancel_after,
-                     enable_thinking=False, **{**FAST, **params})
+    events = rt.chat(text, GenerationRequest.of({**FAST, **params}),
+                     cancel=lambda: cancel_after is not None and steps >= cancel_after, enable_thinking=False)
     for ev in events:
         if isinstance(ev, StepEvent):
             steps += 1

@@ -461,6 +461,7 @@ def test_a_memory_check_failing_on_one_rank_keeps_the_ranks_in_lockstep(tmp_path
     lockstep and gives one process's text. Before, rank 1 skipped the generation while rank 0
     ran it: their collectives no longer matched (a hang, or a lost connection)."""
     from mlx_dgemma.lockstep import ModelRuntime
+    from mlx_dgemma.request import GenerationRequest
 
     monkeypatch.setenv("MLX_DGEMMA_CACHE", str(tmp_path))
     out = tmp_path / "agree.json"
@@ -469,7 +470,8 @@ def test_a_memory_check_failing_on_one_rank_keeps_the_ranks_in_lockstep(tmp_path
     got = json.loads(out.read_text())
     assert got["error"] == ["MemoryBudgetError",
                             "rank 1: this prompt needs 9.0 GB but 4.0 GB is available on rank 1's Mac"], got
-    ref = [ev.text for ev in ModelRuntime(load_demo()).generate(agree_worker.PROMPT, **agree_worker.PARAMS)
+    ref = [ev.text for ev in ModelRuntime(load_demo()).generate(agree_worker.PROMPT,
+                                                            GenerationRequest.of(agree_worker.PARAMS))
            if type(ev).__name__ == "DoneEvent"]
     assert got["text"] == ref and len(ref[0]) > 3, (got, ref)
 

@@ -1,5 +1,6 @@
 """The parameter registry (mlx_dgemma.params): a parameter added there alone reaches the CLI's
-flags, the server's request model, the settings screen and the GGUF key map, with its range."""
+flags, the server's request model, the settings screen, the GGUF key map and generation itself
+(the sampler's parameters the step runs with), with its range."""
 
 from __future__ import annotations
 
@@ -84,13 +85,48 @@ def test_a_new_parameter_reaches_the_server_and_the_settings_screen():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["status"] == 400
     assert out["body"]["error"]["param"] == "dial_tone"
-    assert out["body"]["error"]["message"] == "dial_tone: Input should be less than or equal to 0.75"
+    assert out["body"]["error"]["message"] == "dial_tone: must be a number in [0.25, 0.75]"  # the registry's words
     assert out["server"]
     assert ["dial_tone", "dial tone", "<class 'float'>"] in out["fields"]
     # sorted by screen_order: after the stability threshold (5), before the confidence threshold (6)
     names = [f[0] for f in out["fields"]]
     assert names.index("stability_threshold") < names.index("dial_tone") < names.index("confidence_threshold")
     assert out["no_default"]["dial_tone"] == "off: silence"
+
+
+# The sampler's parameters are built when it is imported: a fresh interpreter adds the parameter
+# first, then generates with it and watches it arrive at the step.
+GENERATE = """
+import json
+from mlx_dgemma import params
+params.PARAMS = params.PARAMS + ({new},)
+from mlx_dgemma import load, stream_generate
+from mlx_dgemma.errors import ParameterError
+from mlx_dgemma.runtime import Runtime
+
+seen = []
+real = Runtime.step
+Runtime.step = lambda self, p, *a, **k: (seen.append(p.dial_tone), real(self, p, *a, **k))[1]
+rt = load({model!r})
+events = list(stream_generate(rt, "hi", dial_tone=0.5, max_new_tokens=8, max_denoising_steps=1, seed=0))
+try:
+    list(stream_generate(rt, "hi", dial_tone=0.9))
+    refused = None
+except ParameterError as e:
+    refused = str(e)
+print(json.dumps({{"seen": seen, "done": type(events[-1]).__name__, "refused": refused}}))
+"""
+
+
+def test_a_new_parameter_reaches_generation(tiny_model_dir):
+    """Given to ``stream_generate`` by its name alone, the new parameter is checked against its
+    range and arrives, with its value, in the sampler's parameters the denoising step runs with."""
+    script = textwrap.dedent(GENERATE.format(new=NEW, model=str(tiny_model_dir)))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["seen"] == [0.5] and out["done"] == "DoneEvent"
+    assert out["refused"] == "dial_tone = 0.9: must be a number in [0.25, 0.75]"
 
 
 def test_the_registry_matches_the_sampler_and_its_defaults():

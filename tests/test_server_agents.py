@@ -257,8 +257,8 @@ def test_max_tokens_beyond_the_context_is_capped_not_refused():
 
     e = _engine()
     req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8192})
-    params = e.sampler_overrides(req, 8192)  # was a 413
-    assert e.fit(100, params) == (4096 - 100) // 64 * 64 and params["max_new_tokens"] == 3968
+    request = e.sampler_overrides(req, 8192)  # was a 413
+    assert e.fit(100, request)["max_new_tokens"] == (4096 - 100) // 64 * 64 == 3968
 
 
 # --------------------------------------------------------------------------- conventions (live)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from mlx_dgemma.request import GenerationRequest
 from mlx_dgemma.server.engine import Engine, Limits
 from mlx_dgemma.server.errors import ContextLengthError
 from mlx_dgemma.server.openai import Answer
@@ -101,12 +102,12 @@ def test_overlong_prompt_is_refused_by_its_size_before_tokenizing():
     e = _engine()
     big = "word " * 20_000  # 100 kB: at least 100000 / 17 > 4096 tokens whatever the tokenizer does
     with pytest.raises(ContextLengthError) as err:
-        e.prepare_chat([{"role": "user", "content": big}], False, {})
+        e.prepare_chat([{"role": "user", "content": big}], False, GenerationRequest())
     assert err.value.status == 400 and err.value.param == "messages" and "bytes" in err.value.message
     # the limit that applies is the context's (4096 tokens of at most 17 bytes), not the template's 4M characters
     assert "maximum context length is 4096 tokens" in err.value.message and "at most 69632 bytes" in err.value.message
     with pytest.raises(ContextLengthError) as err:
-        e.prepare_completion(big, {})
+        e.prepare_completion(big, GenerationRequest())
     assert err.value.param == "prompt"
 
 
@@ -116,7 +117,7 @@ def test_a_message_beyond_the_template_budget_is_named_not_the_template():
     e = _engine(context=10**9, max_token_bytes=1)  # a context the bytes alone do not rule out
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x" * (RENDER_CHARS + 1)}]
     with pytest.raises(ContextLengthError) as err:
-        e.prepare_chat(msgs, False, {})
+        e.prepare_chat(msgs, False, GenerationRequest())
     assert err.value.param == "messages[1].content" and "template" in err.value.message
     assert "loops" not in err.value.message  # F8: not blamed on the chat template
 
@@ -174,10 +175,10 @@ def test_work_budget_caps_the_blocks_and_refuses_only_a_block_beyond_it(srv):
     # more blocks than the budget pays for: capped like the context caps them (was a 400 to a
     # client's default max_tokens)
     e = _engine()  # a budget of 4096 steps
-    params = {"max_new_tokens": 4032, "max_denoising_steps": 64}
-    assert e.fit(10, params) is None and params["max_new_tokens"] == 4032  # 63 blocks x 64 steps fit
-    params = {"max_new_tokens": 4032, "max_denoising_steps": 128}
-    assert e.fit(10, params) == 32 * 64 and params["max_new_tokens"] == 32 * 64
+    request = GenerationRequest.of({"max_new_tokens": 4032, "max_denoising_steps": 64})
+    assert e.fit(10, request) == request  # 63 blocks x 64 steps fit
+    request = GenerationRequest.of({"max_new_tokens": 4032, "max_denoising_steps": 128})
+    assert e.fit(10, request)["max_new_tokens"] == 32 * 64
 
 
 def test_head_on_get_routes(srv):

@@ -106,8 +106,9 @@ def test_the_app_starts_and_stops_its_engine_in_the_lifespan(tmp_path, monkeypat
 
 
 def test_validation_errors_keep_the_bodies_of_the_single_module_server():
-    # FastAPI validates the typed bodies; the handler keeps the words the server answered
-    # before it did (taken from that server's answers), without loading any model
+    # FastAPI validates the typed bodies; the handler answers in our words (the registry's rule
+    # for a sampler field, what was expected and what came for the others), never pydantic's,
+    # and keeps the bodies the server answered before it did, without loading any model
     from fastapi.testclient import TestClient
 
     from mlx_dgemma.server import Engine, create_app
@@ -119,11 +120,23 @@ def test_validation_errors_keep_the_bodies_of_the_single_module_server():
         (b"null", "body: expected a JSON object, got NoneType", None),
         (b"{", "body: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
                "send a JSON object", None),
-        (b'{"messages": [1]}', "messages[0]: Input should be a valid dictionary or instance of Message", "messages[0]"),
+        (b'{"messages": [1]}', "messages[0]: expected a JSON object, got 1", "messages[0]"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "stream_options": 3}',
-         "stream_options: Input should be a valid dictionary or instance of StreamOptions", "stream_options"),
+         "stream_options: expected a JSON object, got 3", "stream_options"),
         (b'{"messages": [{"role": "wizard", "content": "hi"}]}',
-         "messages[0].role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'", "messages[0].role"),
+         "messages[0].role: expected 'system', 'developer', 'user', 'assistant' or 'tool', got \"wizard\"",
+         "messages[0].role"),
+        # a sampler field in the registry's words (mlx_dgemma.params), not pydantic's
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_denoising_steps": 100000}',
+         "max_denoising_steps: must be an integer in [1, 10000]", "max_denoising_steps"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "t_min": "warm"}',
+         "t_min: must be a temperature in [0.001, 1000]", "t_min"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "seed": -2}',
+         "seed: must be an integer in [0, 2**64 - 1], or -1 (random)", "seed"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}',
+         "max_tokens: must be at least 1, got 0", "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}',
+         "stream: expected true or false, got \"yes\"", "stream"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', "n: only n=1 is supported", "n"),
     ]
     for body, message, param in cases:

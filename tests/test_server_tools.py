@@ -291,7 +291,7 @@ def test_a_named_call_is_fixed_on_the_canvas_and_kept_when_it_validates(served, 
     seen: list[Any] = []
 
     def generate(prompt, **kw):
-        seen.append(kw.get("template"))
+        seen.append(kw["request"].template.fixed)
         return script(prompt, **kw)
 
     monkeypatch.setattr(engine.runtime, "generate", generate)
@@ -328,7 +328,7 @@ def test_a_call_that_does_not_validate_gets_one_repair_pass(served, monkeypatch)
     seen: list[Any] = []
 
     def generate(prompt, **kw):
-        seen.append(kw.get("template"))
+        seen.append(kw["request"].template.fixed)
         return Script(engine, [texts[len(seen) - 1]])(prompt, **kw)
 
     monkeypatch.setattr(engine.runtime, "generate", generate)

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from mlx_dgemma.tui.app import DGemmaApp
+from mlx_dgemma.request import GenerationRequest
 from mlx_dgemma.tui.engine import Backend, Engine, ModelBackend
 from mlx_dgemma.tui.messages import STATES, EngineStatus
 from mlx_dgemma.tui.screens.chat import ChatScreen
@@ -163,7 +164,7 @@ async def test_settings_validate_and_apply():
         await pilot.click("#save")
         assert isinstance(app.screen, SettingsScreen)
         error = str(app.screen.query_one("#settings-error").render())
-        assert "temperature floor (0.9) must be below the first-step temperature (0.8)" in error
+        assert "temperature floor: 0.9 must be below the first-step temperature (0.8)" in error
         assert "t_min" not in error and "t_max" not in error  # the labels shown, not internal names
         assert "the temperature falls from the first step to the last" in screen_text(app)  # not clipped
         box.value = "0.3"
@@ -511,7 +512,7 @@ def test_the_engine_posts_every_state_and_only_those():
     record = lambda m: posted.append(m.state) if isinstance(m, EngineStatus) else None  # noqa: E731
     engine = Engine(ScriptedBackend(steps=1, blocks=1), record)
     engine.start()
-    engine.generate("q", {}, 1)
+    engine.generate("q", GenerationRequest(), 1)
     assert engine.worker.submit(lambda t: None).done.wait(10)  # after the answer, in order
     engine.stop()
     assert engine.join(10)
@@ -772,7 +773,8 @@ def test_the_model_backend_passes_thinking_and_the_system_prompt_to_the_session(
     backend.load(lambda line: None)
     assert backend.session.enable_thinking is True
     assert backend.session.messages == [{"role": "system", "content": "S1"}]
-    events = list(backend.stream("hi", lambda: False, think=False, max_new_tokens=1, max_denoising_steps=1, seed=0))
+    request = GenerationRequest.of({"max_new_tokens": 1, "max_denoising_steps": 1, "seed": 0})
+    events = list(backend.stream("hi", lambda: False, think=False, request=request))
     assert backend.session.enable_thinking is False and events
     assert [m["role"] for m in backend.session.messages] == ["system", "user", "assistant"]
     backend.reset("S2")

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from mlx_dgemma.events import BlockEvent, DoneEvent, Event, PrefillEvent, StepEvent
+from mlx_dgemma.request import GenerationRequest
 
 WORDS = ["The", " sky", " is", " blue", " because", " air", " scatters", " short", " waves", ".",
          " Light", " from", " the", " sun", " bends", "!"]
@@ -57,8 +58,9 @@ class ScriptedBackend:
     def memory_bytes(self) -> int:
         return 123_000_000
 
-    def stream(self, prompt: str, cancel: Callable[[], bool], think: bool = False, **params: Any) -> Iterator[Event]:
-        self.prompts.append((prompt, params))
+    def stream(self, prompt: str, cancel: Callable[[], bool], think: bool = False,
+               request: GenerationRequest | None = None) -> Iterator[Event]:
+        self.prompts.append((prompt, request.params if request is not None else {}))
         self.thinks.append(think)
         C, N = self.canvas_length, self.steps
         yield PrefillEvent(tokens=20, seconds=0.5)

@@ -15,6 +15,7 @@ from textual.message import Message
 
 from mlx_dgemma.errors import DGemmaError
 from mlx_dgemma.events import DoneEvent, Event
+from mlx_dgemma.request import GenerationRequest
 from mlx_dgemma.worker import ModelWorker, Ticket, WorkerStopped
 
 from .messages import EngineError, EngineEvent, EngineStatus
@@ -37,9 +38,9 @@ class Backend(Protocol):
         """Load the model, reporting progress as short lines; raise DGemmaError to fail."""
 
     def stream(self, prompt: str, cancel: Callable[[], bool], think: bool = False,
-               **params: Any) -> Iterator[Event]:
+               request: GenerationRequest | None = None) -> Iterator[Event]:
         """The next turn of the conversation as ``stream_generate`` events; stop at ``cancel()``.
-        ``think``: enable the thought channel for this turn; ``params``: sampler overrides."""
+        ``think``: enable the thought channel for this turn; ``request``: its settings."""
 
     def reset(self, system: str | None = None) -> None:
         """Forget the conversation (a new chat), which starts with ``system`` as its system prompt."""
@@ -103,9 +104,9 @@ class ModelBackend:
         return self.runtime.session if self.runtime is not None else None
 
     def stream(self, prompt: str, cancel: Callable[[], bool], think: bool = False,
-               **params: Any) -> Iterator[Event]:
+               request: GenerationRequest | None = None) -> Iterator[Event]:
         # per turn: a follow-up's markup says whether to think
-        yield from self.runtime.chat(prompt, cancel=cancel, enable_thinking=think, **params)
+        yield from self.runtime.chat(prompt, request, cancel=cancel, enable_thinking=think)
 
     def reset(self, system: str | None = None) -> None:
         self.system = system or None
@@ -166,9 +167,10 @@ class Engine:
         """Start the worker; the load runs on it and reports as "loading", then "ready" or "failed"."""
         self.worker.launch()
 
-    def generate(self, prompt: str, params: dict[str, Any], answer_id: int) -> None:
-        """Queue the next turn; its events come back tagged with ``answer_id``."""
-        self._answer = self._submit(lambda t: self._generate(t, prompt, params, answer_id),
+    def generate(self, prompt: str, request: GenerationRequest, answer_id: int, think: bool = False) -> None:
+        """Queue the next turn (``think``: with the thought channel); its events come back
+        tagged with ``answer_id``."""
+        self._answer = self._submit(lambda t: self._generate(t, prompt, request, answer_id, think),
                                     skipped=lambda t: self._not_started(answer_id))
 
     def reset(self, system: str | None) -> None:
@@ -220,10 +222,11 @@ class Engine:
         self.loaded = True
         self._post(EngineStatus("ready", self.backend.label))
 
-    def _generate(self, ticket: Ticket, prompt: str, params: dict[str, Any], answer_id: int) -> None:
+    def _generate(self, ticket: Ticket, prompt: str, request: GenerationRequest, answer_id: int,
+                  think: bool) -> None:
         try:
             self._post(EngineStatus("busy"))
-            for ev in self.backend.stream(prompt, lambda: ticket.cancelled, **params):
+            for ev in self.backend.stream(prompt, lambda: ticket.cancelled, think=think, request=request):
                 self._post(EngineEvent(ev, answer_id))
         except Exception as e:  # noqa: BLE001 - shown in the app, never a crash; the worker goes on
             self._post(EngineError(describe_error(e), answer_id))

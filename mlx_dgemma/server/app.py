@@ -29,6 +29,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from mlx_dgemma.request import GenerationRequest
+
 from .engine import Engine, Job
 from .errors import APIError
 from .guard import refusal
@@ -81,9 +83,9 @@ ROUTES = "/v1/models, /v1/chat/completions, /v1/completions (each also without /
 
 
 def validation_error(exc: RequestValidationError, raw: bytes | None, model: type | None = None) -> APIError:
-    """The first problem of a request body as the 400 that names its field. With the body's
-    ``model``, the error is pydantic's own for that model (the words a client got before FastAPI
-    validated the bodies, e.g. "a valid dictionary or instance of Message")."""
+    """The first problem of a request body as the 400 that names its field, in our words
+    (:func:`_in_our_words`). With the body's ``model``, the error is the first of that model's
+    own validation (the field a client got before FastAPI validated the bodies)."""
     err = exc.errors()[0]
     if model is not None and isinstance(exc.body, dict):
         try:
@@ -103,8 +105,52 @@ def validation_error(exc: RequestValidationError, raw: bytes | None, model: type
             return APIError(400, "body: empty; send a JSON object")
         return APIError(400, f"body: expected a JSON object, got {type(err.get('input')).__name__}")
     param = _param(loc)
-    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-    return APIError(400, f"{param}: {msg}", param=param)
+    return APIError(400, f"{param}: {_in_our_words(err)}", param=param)
+
+
+# pydantic's error types in our words: what was expected, and what came
+_EXPECTED = {"int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+             "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
+             "bool_parsing": "true or false", "string_type": "a string", "list_type": "a list",
+             "dict_type": "a JSON object", "model_type": "a JSON object", "model_attributes_type": "a JSON object"}
+_BOUNDS = {"greater_than_equal": ("ge", "at least"), "greater_than": ("gt", "more than"),
+           "less_than_equal": ("le", "at most"), "less_than": ("lt", "less than")}
+
+
+def _json(value: Any) -> str:
+    """A value as the client sent it (JSON), shortened."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _in_our_words(err: Any) -> str:
+    """One pydantic error (a field's) as the server says it: our validators' own words, the
+    registry's rule for a sampler field (:mod:`.schemas`), and for the rest what was expected
+    and what came, never pydantic's wording."""
+    kind, ctx, got = err.get("type"), err.get("ctx") or {}, err.get("input")
+    if kind == "value_error":
+        return str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    if kind in _EXPECTED:
+        return f"expected {_EXPECTED[kind]}, got {_json(got)}"
+    if kind == "literal_error":
+        return f"expected {ctx.get('expected')}, got {_json(got)}"
+    if kind == "missing":
+        return "required; send it"
+    if kind in _BOUNDS:
+        key, words = _BOUNDS[kind]
+        return f"must be {words} {ctx.get(key)}, got {_json(got)}"
+    if kind in ("too_short", "too_long", "string_too_short", "string_too_long"):
+        unit = "character(s)" if kind.startswith("string") else "item(s)"
+        limit = ctx.get("min_length") if kind.endswith("short") else ctx.get("max_length")
+        return f"expected {'at least' if kind.endswith('short') else 'at most'} {limit} {unit}"
+    if kind == "string_pattern_mismatch":
+        return f"must match {ctx.get('pattern')}, got {_json(got)}"
+    if kind in ("finite_number", "float_finite"):
+        return "must be a finite number (NaN and Infinity are not JSON values)"
+    return str(err.get("msg", "invalid"))
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -383,30 +429,25 @@ async def chat_completions(body: ChatRequest, request: Request, engine: Engine =
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = engine.sampler_overrides(body, max_tokens)
-    await run_in_threadpool(engine.prepare_chat, messages, thinking, params, tools, continued)
-    return await _submit(request, engine, "chat", body, messages, _answer_cap(params), params, thinking, tools,
-                         logprobs, forced, continued)
+    wanted = engine.sampler_overrides(body, max_tokens, logprobs)
+    gen = await run_in_threadpool(engine.prepare_chat, messages, thinking, wanted, tools, continued)
+    return await _submit(request, engine, "chat", body, messages, gen, thinking, tools, logprobs, forced, continued)
 
 
 @router.post("/v1/completions")
 @router.post("/completions", include_in_schema=False)
 async def completions(body: CompletionRequest, request: Request, engine: Engine = Depends(get_engine)) -> Response:
-    params = engine.sampler_overrides(body, body.max_tokens)
-    ids = await run_in_threadpool(engine.prepare_completion, body.prompt, params)
-    return await _submit(request, engine, "completion", body, ids, _answer_cap(params), params, False,
-                         logprobs=body.logprobs)
+    wanted = engine.sampler_overrides(body, body.max_tokens, body.logprobs)
+    ids, gen = await run_in_threadpool(engine.prepare_completion, body.prompt, wanted)
+    return await _submit(request, engine, "completion", body, ids, gen, False, logprobs=body.logprobs)
 
 
-def _answer_cap(params: dict[str, Any]) -> int | None:
-    """The answer's exact token limit: the client's max_tokens, lowered where the context capped it."""
-    return params.get("max_new_tokens")
-
-
-async def _submit(request: Request, engine: Engine, kind: str, body: Sampling, prompt: Any, max_tokens: int | None,
-                  params: dict[str, Any], thinking: bool, tools: list[dict[str, Any]] | None = None,
-                  logprobs: int | None = None, forced: Forced | None = None, continued: bool = False) -> Response:
-    job = Job(kind, prompt, params, max_tokens, body.stop, thinking,
+async def _submit(request: Request, engine: Engine, kind: str, body: Sampling, prompt: Any, gen: GenerationRequest,
+                  thinking: bool, tools: list[dict[str, Any]] | None = None, logprobs: int | None = None,
+                  forced: Forced | None = None, continued: bool = False) -> Response:
+    # the answer's exact token limit: the client's max_tokens, lowered where the context capped it
+    max_tokens = gen.get("max_new_tokens")
+    job = Job(kind, prompt, gen, max_tokens, body.stop, thinking,
               bool(body.diffusion and body.diffusion.stream_steps), asyncio.get_running_loop(), tools=tools,
               logprobs=logprobs, forced=forced, continued=continued)
     fmt = Formatter(kind, engine.model_id)

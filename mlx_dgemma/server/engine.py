@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from mlx_dgemma.chat_template import TOOL_CALL_CLOSE, ToolCall, parse_answer, render_chat
 from mlx_dgemma.errors import DGemmaError
+from mlx_dgemma.request import GenerationRequest
 from mlx_dgemma.worker import ModelWorker, Ticket, WorkerBusy, WorkerStopped
 
 from . import toolcalls
@@ -54,7 +55,7 @@ class Job:
 
     kind: Literal["chat", "completion"]
     prompt: Any  # normalized messages (chat) or token ids (completion)
-    params: dict[str, Any]
+    request: GenerationRequest  # the sampler's settings (and log-probabilities), checked and capped to fit
     max_tokens: int | None
     stop: tuple[str, ...]
     enable_thinking: bool
@@ -241,8 +242,10 @@ class Engine(Shaping):
             t0 = time.perf_counter()
             try:
                 text = render_chat([{"role": "user", "content": "Hello"}], self.tokenizer.chat_template)
-                for _ in generate(self.tokenizer.encode(text), chat=False, cancel=ticket.cancel_event.is_set,
-                                  max_new_tokens=self.canvas, max_denoising_steps=WARM_UP_STEPS, seed=0):
+                request = GenerationRequest.of({"max_new_tokens": self.canvas, "max_denoising_steps": WARM_UP_STEPS,
+                                                "seed": 0})
+                for _ in generate(self.tokenizer.encode(text), request=request, chat=False,
+                                  cancel=ticket.cancel_event.is_set):
                     pass
                 log.info("warmed up in %.2fs", time.perf_counter() - t0)
             except Exception:  # noqa: BLE001 - a server that cannot warm up can still answer
@@ -429,19 +432,11 @@ class Engine(Shaping):
 
         return check
 
-    @staticmethod
-    def _core_params(job: Job, **extra: Any) -> dict[str, Any]:
-        """The job's parameters for the core: the sampler's, and ``logprobs`` only when asked."""
-        out = {**job.params, **extra}
-        if job.logprobs is not None and "logprobs" not in out:
-            out["logprobs"] = job.logprobs
-        return out
-
     def _work(self, job: Job) -> Iterator[None]:
         """``job``'s whole generation, yielding at each block boundary (a turn)."""
         rt = self.runtime
         if job.kind == "completion":
-            events = rt.generate(job.prompt, chat=False, cancel=self._cancelled(job), **self._core_params(job))
+            events = rt.generate(job.prompt, request=job.request, chat=False, cancel=self._cancelled(job))
             yield from self._consume(job, events, lambda: 0)
             return
         if job.forced is not None:
@@ -463,18 +458,19 @@ class Engine(Shaping):
             # fresh render (another client's conversation, an edited answer: encoded afresh), so the
             # answer never depends on what came before this request.
             result, clean, _ = yield from self._consume(
-                job, rt.chat(user, cancel=self._cancelled(job), messages=earlier, **self._core_params(job)),
+                job, rt.chat(user, request=job.request, cancel=self._cancelled(job), messages=earlier),
                 lambda: s.cached_tokens)
             if clean and result is not None:
                 self._session = s
         finally:
             self._session_busy = False
 
-    def _fresh(self, job: Job, **extra: Any) -> Iterator[Any]:
-        """The core's events for ``job``'s conversation rendered afresh (``extra``: more parameters)."""
+    def _fresh(self, job: Job, request: GenerationRequest | None = None) -> Iterator[Any]:
+        """The core's events for ``job``'s conversation rendered afresh (under ``request``: the
+        job's unless another is given)."""
         text = self.prompt_text(job.prompt, job.enable_thinking, job.tools, job.continued)
-        return self.runtime.generate(self.tokenizer.encode(text), chat=False, cancel=self._cancelled(job),
-                                     **self._core_params(job, **extra))
+        return self.runtime.generate(self.tokenizer.encode(text), request=request or job.request, chat=False,
+                                     cancel=self._cancelled(job))
 
     def _forced(self, job: Job) -> Iterator[None]:
         """A forced tool call (:mod:`.toolcalls`): the call's opening fixed on the canvas; checked;
@@ -485,18 +481,17 @@ class Engine(Shaping):
         assert forced is not None
         tok = self.tokenizer
         opening = CanvasTemplate.from_pieces(tok, forced.opening())
-        extra: dict[str, Any] = {"template": opening.pairs()}
+        first = (self._room_for(job, opening.end) or job.request).with_options(template=opening)
         # "required": the model's log-probabilities at the name's positions choose a declared name
         # if it writes none (not under mlx.launch, where each rank holds part of the vocabulary)
         if not forced.named and job.logprobs is None and self.runtime.lockstep is None:
-            extra["logprobs"] = toolcalls.NAME_TOP_LOGPROBS
-        extra.update(self._room_for(job, opening.end) or {})
+            first = first.with_options(logprobs=toolcalls.NAME_TOP_LOGPROBS)
         # a call the model has not closed within a few blocks will not close: the repair pass takes over
-        extra["max_new_tokens"] = min(int(extra.get("max_new_tokens", self.max_new_tokens(job.params))),
-                                      max(toolcalls.FIRST_PASS_TOKENS, self.blocks_tokens(opening.end)))
+        first = first.with_params(max_new_tokens=min(self.max_new_tokens(first),
+                                                     max(toolcalls.FIRST_PASS_TOKENS, self.blocks_tokens(opening.end))))
         tops: list[list[tuple[int, float]]] = []
         # the pass ends with its first call (or the first block that closes a malformed one)
-        result, _, answer = yield from self._consume(job, self._fresh(job, **extra), lambda: 0, final=False, tops=tops,
+        result, _, answer = yield from self._consume(job, self._fresh(job, first), lambda: 0, final=False, tops=tops,
                                                      enough=lambda a: bool(a.tool_calls) or TOOL_CALL_CLOSE in a.content)
         if result is None:
             return
@@ -526,7 +521,8 @@ class Engine(Shaping):
         # the answer guards judge free text: here the frame is given and the holes are read by type,
         # so a block they would re-roll or drop (its holes still uncertain) is the repair's answer
         repaired, _, answer = yield from self._consume(
-            job, self._fresh(job, template=template.pairs(), **toolcalls.GUARDS_OFF, **room), lambda: 0, final=False)
+            job, self._fresh(job, room.with_options(template=template).with_params(**toolcalls.GUARDS_OFF)), lambda: 0,
+            final=False)
         if repaired is None:
             return
         if not answer.eos:  # cut short (max_tokens, the deadline): what the first pass gave
@@ -540,18 +536,18 @@ class Engine(Shaping):
         self._deliver(job, replace(repaired, content="", reasoning="", tool_calls=(fixed,),
                                    finish_reason="tool_calls"))
 
-    def _room_for(self, job: Job, positions: int) -> dict[str, Any] | None:
-        """Parameters under which ``positions`` of a canvas template fit the answer: ``job``'s own,
-        or more blocks where its max_new_tokens is fewer (within the context checked before: the
-        first pass; None if not)."""
-        want = self.max_new_tokens(job.params)
+    def _room_for(self, job: Job, positions: int) -> GenerationRequest | None:
+        """The request under which ``positions`` of a canvas template fit the answer: ``job``'s own,
+        or with more blocks where its max_new_tokens is fewer (within the context checked before:
+        the first pass; None if not)."""
+        want = self.max_new_tokens(job.request)
         if self.blocks_tokens(want) >= positions:
-            return {}
+            return job.request
         need = self.blocks_tokens(positions)
         prompt = self._prompt_tokens(job.prompt, job.enable_thinking, job.tools, job.continued)
         if prompt + need > self.context or (job.max_tokens is not None and job.max_tokens < positions):
             return None
-        return {"max_new_tokens": need}
+        return job.request.with_params(max_new_tokens=need)
 
     def _deliver(self, job: Job, r: Result) -> None:
         """``r`` is the answer: counted, logged, and sent."""
@@ -577,9 +573,9 @@ class Engine(Shaping):
         ``tops`` collects each position's most likely (id, log-probability) pairs (with
         logprobs); ``enough(answer)`` ends the pass after a block."""
         from mlx_dgemma.events import BlockEvent, PrefillEvent, PrefillProgressEvent, StepEvent
-        from mlx_dgemma.sampler import SamplerParams, finalize_block
+        from mlx_dgemma.sampler import finalize_block
 
-        core = SamplerParams.from_config(self.generation_config, **job.params)  # as the core reads it
+        core = job.request.resolve(self.generation_config)  # as the core reads it
         answer = Answer(self.tokenizer, core.eos_token_id, job.max_tokens, job.stop, self.markers,
                         tools=bool(job.tools), raw=job.kind != "chat" or job.continued, pad_id=core.pad_token_id)
         result: Result | None = None
@@ -592,7 +588,7 @@ class Engine(Shaping):
         first_block = "first_block_s" not in job.stats
 
         def n_blocks() -> int:
-            return self.blocks_tokens(self.max_new_tokens(job.params)) // self.canvas
+            return self.blocks_tokens(self.max_new_tokens(job.request)) // self.canvas
 
         def logprobs() -> tuple[dict[str, Any], ...] | None:
             """The counted tokens' entries (as many as completion_tokens: a stop cut, max_tokens

@@ -3,7 +3,8 @@
 Strict like the OpenAI API ("0.5" is not a number, 1.0 not an integer), unknown fields
 ignored (OpenAI clients send extras freely). Our sampler's settings are extra top-level
 fields generated from the core's parameter registry (``mlx_dgemma.params``): each field's
-type, range and description declared there once.
+type, range and description declared there once, and checked by the registry's own check, so
+that a field's error reads its rule (``max_denoising_steps: must be an integer in [1, 10000]``).
 """
 
 from __future__ import annotations
@@ -11,17 +12,32 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, create_model, field_validator
 
 from mlx_dgemma import params
+from mlx_dgemma.errors import ParameterError
 
 # our sampler's settings (seed included), accepted as extra top-level request fields
 SAMPLER_FIELDS = params.server_fields()
 
 
-def _rule(p: params.Param) -> Any:
-    """``int | None`` or ``float | None`` with the registry's range for generation parameter ``p``."""
-    return Annotated[p.kind, Field(ge=p.low, le=p.high, description=p.rule)] | None
+def _rule(p: params.Param, also: tuple[Any, str] | None = None) -> Any:
+    """Generation parameter ``p`` as a request field: null (the model's default) or a value
+    the registry's check takes (its type, its range), refused in the registry's words.
+    ``also``: (a value, what it means) that the field takes besides, e.g. seed -1."""
+    extra, meaning = also if also is not None else (None, "")
+    rule = f"{p.rule}, or {extra} ({meaning})" if also is not None else p.rule
+
+    def check(v: Any) -> Any:
+        if v is None or also is not None and v == extra and type(v) is type(extra):
+            return v
+        try:
+            params.check_generation_field(p.name, v)
+        except ParameterError:
+            raise ValueError(f"must be {rule}") from None
+        return v
+
+    return Annotated[Any, PlainValidator(check), Field(description=rule)]
 
 
 def check_unicode(text: str) -> str:
@@ -150,9 +166,7 @@ MAX_STOPS = 64  # stop strings a request may give (OpenAI allows 4; agents' prom
 
 def _openai_rule(p: params.Param) -> Any:
     """As :func:`_rule`; ``seed`` also takes -1, a random seed (llama.cpp's convention)."""
-    if p.name == "seed":
-        return Annotated[int, Field(ge=-1, le=p.high, description=f"{p.rule}, or -1 (random)")] | None
-    return _rule(p)
+    return _rule(p, (-1, "random")) if p.name == "seed" else _rule(p)
 
 
 def sampling_fields() -> type[Body]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from mlx_dgemma.chat_template import RENDER_CHARS, THOUGHT_OPEN, parse_answer, render_chat, template_for_tools
 from mlx_dgemma.errors import ParameterError
+from mlx_dgemma.request import GenerationRequest
 
 from .errors import APIError, ContextLengthError
 from .schemas import MAX_JSON_DEPTH, NOT_FINITE, SAMPLER_FIELDS, Message, Sampling, finite_json, json_depth
@@ -143,16 +144,17 @@ class Shaping:
     generation_config: dict[str, Any]
     limits: Limits
 
-    def sampler_overrides(self, req: Sampling, max_tokens: int | None) -> dict[str, Any]:
-        """Request fields -> stream_generate parameters, validated as the core validates them.
+    def sampler_overrides(self, req: Sampling, max_tokens: int | None,
+                          logprobs: int | None = None) -> GenerationRequest:
+        """Request fields -> the core's :class:`GenerationRequest`, checked as the core checks it
+        (the registry's rules; an error names the request's field in the registry's words).
 
         ``temperature`` scales the whole linear schedule (t_max -> t_min): 1 keeps the
         model's schedule, 0.5 halves both ends, 0 is taken as 0.01 (near-greedy: almost every
         position is accepted at the first step) with a fixed seed unless one is given
         (``seed: -1`` is a random one). ``max_tokens`` beyond the context is capped to it
-        (and to what fits after the prompt, by :meth:`fit`)."""
-        from mlx_dgemma.sampler import SamplerParams
-
+        (and to what fits after the prompt, by :meth:`fit`). ``logprobs``: the answer's
+        log-probabilities, with this many most likely tokens each."""
         over = {k: getattr(req, k) for k in SAMPLER_FIELDS if getattr(req, k) is not None}
         if max_tokens is not None:
             over["max_new_tokens"] = min(max_tokens, self.context)
@@ -162,29 +164,24 @@ class Shaping:
             over["seed"] = req.seed
         elif req.temperature == 0:
             over["seed"] = GREEDY_SEED
-        if req.temperature is not None and req.temperature != 1:
-            base = SamplerParams.from_config(self.generation_config, **over)
-            f = max(req.temperature, MIN_TEMPERATURE_FACTOR)
-            # the core accepts temperatures from 0.001 (params.py): near-greedy, not below it
-            over["t_min"] = max(base.t_min * f, 0.001)
-            over["t_max"] = max(base.t_max * f, 2 * over["t_min"])
         try:
-            SamplerParams.from_config(self.generation_config, **over).check_model(int(self.model.args.vocab_size))
+            if req.temperature is not None and req.temperature != 1:
+                base = GenerationRequest.of(over).resolve(self.generation_config)
+                f = max(req.temperature, MIN_TEMPERATURE_FACTOR)
+                # the core accepts temperatures from 0.001 (params.py): near-greedy, not below it
+                over["t_min"] = max(base.t_min * f, 0.001)
+                over["t_max"] = max(base.t_max * f, 2 * over["t_min"])
+            request = GenerationRequest.of(over, logprobs=logprobs)
+            request.resolve(self.generation_config).check_model(int(self.model.args.vocab_size))
         except ParameterError as e:
-            if e.param == "t_max":  # the schedule: quote this model's defaults, not the reference's
-                d = SamplerParams.from_config(self.generation_config)
-                p = {**{"t_min": d.t_min, "t_max": d.t_max}, **over}
-                raise APIError(400, f"t_min = {p['t_min']!r}, t_max = {p['t_max']!r}: the schedule needs "
-                               f"0 < t_min < t_max (this model's defaults are {d.t_min} and {d.t_max})",
-                               param="t_min" if "t_min" in over and "t_max" not in over else "t_max") from None
-            raise APIError(400, str(e), param=e.param) from None
-        return over
+            raise APIError(400, e.restated(e.param) if e.param else str(e), param=e.param) from None
+        return request
 
     def blocks_tokens(self, max_new_tokens: int) -> int:
         return math.ceil(max_new_tokens / self.canvas) * self.canvas
 
-    def max_new_tokens(self, params: dict[str, Any]) -> int:
-        return int(params.get("max_new_tokens") or self.generation_config.get("max_new_tokens") or 256)
+    def max_new_tokens(self, request: GenerationRequest) -> int:
+        return int(request.get("max_new_tokens") or self.generation_config.get("max_new_tokens") or 256)
 
     def context_error(self, param: str, detail: str, fix: str) -> ContextLengthError:
         """In the words clients match, besides the code: OpenAI's "maximum context length" (litellm) and
@@ -192,18 +189,16 @@ class Shaping:
         return ContextLengthError(f"{param}: the prompt is too long: this model's maximum context length is "
                                   f"{self.context} tokens; {detail}; {fix}", param)
 
-    def fit(self, prompt_tokens: int, params: dict[str, Any], param: str = "messages") -> int | None:
+    def fit(self, prompt_tokens: int, request: GenerationRequest, param: str = "messages") -> GenerationRequest:
         """Check a prompt of ``prompt_tokens`` against the context and the work budget; where
-        the answer's blocks do not all fit either, cap ``max_new_tokens`` (in ``params``) to the
-        whole blocks that do (the answer then ends with finish_reason "length"). Returns the cap."""
-        from mlx_dgemma.sampler import SamplerParams
-
+        the answer's blocks do not all fit either, cap ``max_new_tokens`` to the whole blocks
+        that do (the answer then ends with finish_reason "length"). Returns ``request``, capped."""
         C = self.canvas
         room = (self.context - prompt_tokens) // C * C
         if room < C:
             raise self.context_error(param, f"the prompt is {prompt_tokens} tokens and the answer needs at least one "
                                      f"{C}-token block ({prompt_tokens + C} in all)", f"shorten the {param}")
-        steps = SamplerParams.from_config(self.generation_config, **params).max_denoising_steps
+        steps = request.resolve(self.generation_config).max_denoising_steps
         budget = self.limits.max_request_steps
         if steps > budget:
             raise APIError(400, f"max_denoising_steps: {steps} steps for one block is over this server's budget of "
@@ -212,11 +207,10 @@ class Shaping:
         # the work budget caps the blocks as the context does: a client's large default max_tokens
         # (8192 is common) gets what the server gives one request, not a refusal
         limit = min(room, budget // steps * C)
-        want = self.max_new_tokens(params)
+        want = self.max_new_tokens(request)
         if self.blocks_tokens(want) <= limit:
-            return None
-        cap = params["max_new_tokens"] = min(want, limit)
-        return cap
+            return request
+        return request.with_params(max_new_tokens=min(want, limit))
 
     def _check_size(self, texts: list[tuple[str, str]], total_param: str, rendered: bool = True,
                     fix: str | None = None) -> None:
@@ -252,10 +246,11 @@ class Shaping:
         text = render_chat(head, self.template(head, tools), enable_thinking=enable_thinking, tools=tools)
         return text + messages[-1]["content"] if continued else text
 
-    def prepare_chat(self, messages: list[dict[str, Any]], enable_thinking: bool, params: dict[str, Any],
-                     tools: list[dict[str, Any]] | None = None, continued: bool = False) -> int:
+    def prepare_chat(self, messages: list[dict[str, Any]], enable_thinking: bool, request: GenerationRequest,
+                     tools: list[dict[str, Any]] | None = None, continued: bool = False) -> GenerationRequest:
         """Render the whole conversation as a fresh prompt: template errors are 400, a prompt
-        beyond the context ``context_length_exceeded``. Returns its token count."""
+        beyond the context ``context_length_exceeded``. Returns ``request`` capped to what fits
+        after it (:meth:`fit`)."""
         texts = [(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)]
         self._check_size(texts, "messages")
         if tools:  # the messages fit: where the tools are what does not, they are named
@@ -263,7 +258,7 @@ class Shaping:
                              fix=TOOLS_FIX)
         n = self._prompt_tokens(messages, enable_thinking, tools, continued)
         try:
-            self.fit(n, params)
+            return self.fit(n, request)
         except ContextLengthError:
             if not tools:
                 raise
@@ -273,7 +268,6 @@ class Shaping:
             raise self.context_error(
                 "tools", f"the prompt is {n} tokens, {n - n0} of them the tools' declarations, and the answer "
                 f"needs at least one {self.canvas}-token block ({n + self.canvas} in all)", TOOLS_FIX) from None
-        return n
 
     def _prompt_tokens(self, messages: list[dict[str, Any]], enable_thinking: bool,
                        tools: list[dict[str, Any]] | None, continued: bool = False) -> int:
@@ -286,7 +280,10 @@ class Shaping:
             raise APIError(400, f"messages: the chat template cannot render them ({e})", param="messages") from None
         return len(self.tokenizer.encode(text))
 
-    def prepare_completion(self, prompt: str | list[int], params: dict[str, Any]) -> list[int]:
+    def prepare_completion(self, prompt: str | list[int],
+                           request: GenerationRequest) -> tuple[list[int], GenerationRequest]:
+        """The prompt's token ids, checked against the vocabulary and the context, and
+        ``request`` capped to what fits after it (:meth:`fit`)."""
         if isinstance(prompt, str):
             self._check_size([("prompt", prompt)], "prompt", rendered=False)
             ids = self.tokenizer.encode(prompt, add_bos=True)
@@ -297,5 +294,4 @@ class Shaping:
                 raise APIError(400, f"prompt[{bad}]: token id {prompt[bad]} is outside [0, {V})",
                                param=f"prompt[{bad}]")
             ids = list(prompt)
-        self.fit(len(ids), params, "prompt")
-        return ids
+        return ids, self.fit(len(ids), request, "prompt")

@@ -15,6 +15,7 @@ from textual.widgets import Footer, Input
 
 from mlx_dgemma.errors import DGemmaError
 from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
+from mlx_dgemma.request import GenerationRequest
 from mlx_dgemma.trace import Trace, settings_in_effect, trace_header
 
 from ..engine import Backend
@@ -207,20 +208,24 @@ class ChatScreen(Screen):
         if self.busy:
             self.app.notify("Still answering; press Escape to cancel first.", severity="warning")
             return
+        try:  # the settings as the core's request, checked once here (the dialog checked them too)
+            request = GenerationRequest.of(self.params)
+        except DGemmaError as e:
+            self.query_one(StatusLine).update(f"error: {e}")
+            return
         m.input.value = ""
         self._sent = text  # back into the prompt if the answer fails (_on_error)
         self.answer_id += 1
         self.turn += 1
-        self._forget_answer(Trace(header=self._trace_header(text)))
+        self._forget_answer(Trace(header=self._trace_header(text, request)))
         log = self.query_one(ChatLog)
         log.add_user(text)
         self.answer = log.add_answer(self.answer_id)
         canvas = self.backend.canvas_length or 256
-        max_new = int(self.params.get("max_new_tokens") or self.backend.generation_config.get(
-            "max_new_tokens", 256))
+        max_new = int(request.get("max_new_tokens") or self.backend.generation_config.get("max_new_tokens", 256))
         self._blocks_planned = -(-max_new // canvas)
         self.busy = True
-        self.app.engine.generate(text, {**self.params, "think": self.think}, self.answer_id)
+        self.app.engine.generate(text, request, self.answer_id, think=self.think)
 
     def _forget_answer(self, trace: Trace) -> None:
         """The one place that drops the last answer's steps, figures and canvas (a new answer,
@@ -233,11 +238,9 @@ class ChatScreen(Screen):
         self._step_seconds.clear()
         self.query_one(CanvasView).clear()
 
-    def _trace_header(self, prompt: str) -> dict:
+    def _trace_header(self, prompt: str, request: GenerationRequest) -> dict:
         """The exported trace's first record: the message, the settings in effect, the model."""
-        from mlx_dgemma.sampler import SamplerParams
-
-        params = SamplerParams.from_config(self.backend.generation_config, **self.params)
+        params = request.resolve(self.backend.generation_config)
         settings = settings_in_effect(params, self.backend.sc_top_k(params))
         return trace_header(prompt, settings, self.backend.label, self.backend.precision_label,
                             seed=settings.pop("seed"), thinking=self.think, system=self.system,

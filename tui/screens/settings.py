@@ -1,6 +1,6 @@
-"""Sampler settings (validated with the same rules as the API) and the chat's own: the
-thought channel and the system prompt. An empty sampler field means the model's own default
-(shown as the placeholder); errors name the field by its label."""
+"""Sampler settings (checked as the core's request: the registry's rules, as every front end)
+and the chat's own: the thought channel and the system prompt. An empty sampler field means the
+model's own default (shown as the placeholder); errors name the field by its label."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mlx_dgemma.tokenizer import check_text
 
 from mlx_dgemma import params
 from mlx_dgemma.errors import ParameterError
-from mlx_dgemma.sampler import SamplerParams, check_field
+from mlx_dgemma.request import GenerationRequest
 
 # (name, label, type): the registry's parameters that have a label (mlx_dgemma.params)
 FIELDS = [(p.name, p.label, p.kind) for p in params.screen_params()]
@@ -91,20 +91,15 @@ class SettingsScreen(ModalScreen[Settings | None]):
             except ValueError:
                 self._error(f"{label}: {raw!r} is not {KIND_NAMES[kind]}")
                 return
-        # each field's own range first (the API's rule, e.g. a temperature in [0.001, 1000]),
-        # then the rules between fields: 5000 is out of range, not "above the temperature floor"
-        for name, value in chosen.items():
-            try:
-                check_field(name, value)
-            except ParameterError as e:
-                self._error(f"{LABELS[name]}: {typed[name]} must be {e.rule}")
-                return
+        # the fields that differ from the model's defaults, as the core's request: each field's own
+        # range first (the registry's rule, e.g. a temperature in [0.001, 1000]), then the rules
+        # between fields on the values in effect: 5000 is out of range, not "above the temperature floor"
+        overrides = {k: v for k, v in chosen.items() if v != self.defaults.get(k)}
         try:
-            params = SamplerParams.from_config(self.values_without_fields(), **chosen)
+            GenerationRequest.of(overrides).resolve(self.defaults)
         except ParameterError as e:
-            self._error(self._explain(e, chosen))
+            self._error(e.restated(LABELS.get(e.param, str(e.param)), typed.get(e.param)))
             return
-        merged = {name: getattr(params, name) for name in LABELS}
         system = self.query_one("#set-system", Input).value.strip() or None
         if system is not None:
             try:
@@ -112,26 +107,8 @@ class SettingsScreen(ModalScreen[Settings | None]):
             except ParameterError as e:
                 self._error(str(e))
                 return
-        self.dismiss(Settings({k: v for k, v in merged.items() if k in chosen and v != self.defaults.get(k)},
+        self.dismiss(Settings({name: overrides[name] for name in LABELS if name in overrides},
                               self.query_one("#set-think", Checkbox).value, system))
-
-    def _explain(self, e: ParameterError, chosen: dict) -> str:
-        """The API's error between fields, restated with the labels the dialog shows."""
-        if e.param == "t_max":  # each range is checked before: this is the schedule's t_min < t_max
-            t_max = chosen.get("t_max", self.defaults.get("t_max"))
-            t_min = chosen.get("t_min", self.defaults.get("t_min"))
-            if t_min != self.values.get("t_min"):  # name the field the user just edited first
-                return (f"{LABELS['t_min']} ({t_min}) must be below the {LABELS['t_max']} ({t_max}): "
-                        "the temperature falls from the first step to the last")
-            return (f"{LABELS['t_max']} ({t_max}) must be above the {LABELS['t_min']} ({t_min}): "
-                    "the temperature falls from the first step to the last")
-        if e.param in LABELS:
-            return f"{LABELS[e.param]}: {chosen.get(e.param)} must be {e.rule}"
-        return str(e)
-
-    def values_without_fields(self) -> dict:
-        names = {n for n, _, _ in FIELDS}
-        return {k: v for k, v in self.defaults.items() if k not in names}
 
 
 def describe(settings: Settings) -> str:
