@@ -215,7 +215,8 @@ def measure_tier_layout(gguf: str, out: str, precision: str, seed: int = 0) -> d
 
     def fake_dequantize(chunk: np.ndarray, qtype: Any) -> np.ndarray:
         block, size = GGML_QUANT_SIZES[qtype]
-        return np.empty(chunk.size // size * block, dtype=np.float32)  # only its shape is used
+        # only its shape is used; zeros, not empty: the converter rejects NaN or Inf it reads
+        return np.zeros(chunk.size // size * block, dtype=np.float32)
 
     def fake_requantize(w: np.ndarray, t: Any) -> Requantized:
         lead, n = w.shape[:-1], w.shape[-1]
