@@ -168,7 +168,7 @@ def convert_tensor(t, precision: str = "exact", num_layers: int = 0) -> Converte
 
     ``precision`` "exact" repacks bit-exactly; a lossy precision (``mlx_dgemma.tiers``) either
     keeps the exact integers with float16 scales or re-quantizes the tensor with the one
-    re-quantizer (:func:`mlx_dgemma.tiers.requantize`), and records its error against the exact
+    re-quantizer (:func:`mlx_dgemma.tiers.requantize_affine`), and records its error against the exact
     values. ``num_layers`` tells the tier recipes which layers are the first and last.
 
     Nothing is computed here: the returned parts read and repack ``t`` in row chunks of about
