@@ -50,6 +50,12 @@ SETTINGS = {
     "step cap 4": {"max_denoising_steps": 4},
     "confidence 0.9": {"accept_probability": 0.9},
     "confidence 0.7": {"accept_probability": 0.7},
+    # the stopping rule (issue 33 item 2): stable argmax for k steps AND mean entropy below the
+    # confidence threshold (the file's: 0.005); looser thresholds stop blocks sooner
+    "stop entropy 0.02": {"confidence_threshold": 0.02},
+    "stop entropy 0.05": {"confidence_threshold": 0.05},
+    "stop entropy 0.05, stable 1": {"confidence_threshold": 0.05, "stability_threshold": 1},
+    "stop entropy 0.05 only": {"confidence_threshold": 0.05, "stability_threshold": 0},
 }
 
 
@@ -98,7 +104,7 @@ def match_ratio(a: list[int], b: list[int]) -> tuple[int, int]:
 
 
 def dial(args: argparse.Namespace) -> dict:
-    rt = load(demo_file())
+    rt = load(args.model or demo_file())
     words = corpus_words()
     prompts = list(PROMPTS[: args.prompts])
     settings = {k: v for k, v in SETTINGS.items() if not args.only or k in args.only.split(";")}
@@ -127,7 +133,7 @@ def dial(args: argparse.Namespace) -> dict:
                       "corpus_words": known, "words": n_words,
                       "corpus_word_share": known / n_words if words is not None and n_words else None,
                       "answers": [r["text"] for r in rs]}
-    return {"machine": machine(), "model": str(demo_file()), "precision": rt.precision.label,
+    return {"machine": machine(), "model": str(args.model or demo_file()), "precision": rt.precision.label,
             "prompts": prompts, "rows": rows}
 
 
@@ -212,7 +218,7 @@ def sc(args: argparse.Namespace) -> dict:
                      "identical_answers": sum(a["ids"] == b["ids"] for a, b in zip(answers[k], answers[None])),
                      "corpus_word_share": known / n_words if words is not None and n_words else None})
     known, n_words = word_share([r["text"] for r in answers[None]], words)
-    return {"machine": machine(), "model": str(demo_file()), "precision": rt.precision.label,
+    return {"machine": machine(), "model": str(args.model or demo_file()), "precision": rt.precision.label,
             "vocab_size": V, "prompts": args.prompts, "exact_median_decoder_pass_s": statistics.median(t_exact),
             "exact_corpus_word_share": known / n_words if words is not None and n_words else None, "rows": rows}
 
@@ -237,6 +243,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--ks", default="32,64,256")
     ap.add_argument("--only", help="dial: ';'-separated setting names (the first is the reference)")
+    ap.add_argument("--model", default=None,
+                    help="dial: a .gguf or converted directory (default: the demo; e.g. its K-quant copy, "
+                         "convert/kquant.py)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     res = dial(args) if args.what == "dial" else sc(args)

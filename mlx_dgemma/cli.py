@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .errors import DGemmaError, Terminated, hold_interrupts, terminate_as_interrupt
@@ -173,16 +172,25 @@ def sampler_overrides(args: argparse.Namespace) -> GenerationRequest:
 @contextmanager
 def flag_errors(overrides: Mapping[str, Any]) -> Iterator[None]:
     """Restate a ParameterError about a generation parameter set by a flag in the flag's
-    words: ``--steps 0: must be ...`` (the registry's rule, as every front end says it)."""
+    words: ``--steps 0: must be ...`` (the registry's rule, as every front end says it); one
+    that names a parameter in a sentence, whoever set it, names its flag."""
     from .errors import ParameterError
 
     try:
         yield
     except ParameterError as e:
+        if e.param in flags() and not e.rule and e.param in str(e):  # named in a sentence: the flag instead
+            raise ParameterError(str(e).replace(e.param, flags()[e.param]), param=e.param) from e
         if e.param not in overrides or not e.rule:
             raise
         raise ParameterError(e.restated(f"{flags()[e.param]} {overrides[e.param]!r}"), param=e.param, rule=e.rule,
                              note=e.note) from None
+
+
+def flagged(events: Iterator[Any], overrides: Mapping[str, Any]) -> Iterator[Any]:
+    """``events`` with the core's errors (a prompt and answer beyond the context) naming flags."""
+    with flag_errors(overrides):
+        yield from events
 
 
 def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precision: str = "auto",
@@ -334,8 +342,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         progress = StepLine(math.ceil(params.max_new_tokens / model.args.canvas_length))
     shared_tty = sys.stdout.isatty()
-    for ev in stream_generate(runtime, prompt, request=request, generation_config=gen_cfg,
-                              enable_thinking=args.think, chat=not args.raw):
+    # the core generates whole blocks (as the reference does); --max-tokens counts tokens, as the
+    # server's max_tokens does: the answer shown is its first --max-tokens tokens
+    from dataclasses import replace
+
+    from .chat_template import parse_answer
+    from .sampler import max_tokens_cut
+
+    def within_max_tokens(tokens: tuple[int, ...], text: str, thinking: str) -> tuple[tuple[int, ...], str, str, bool]:
+        at = max_tokens_cut(tokens, params.max_new_tokens, params.pad_token_id)
+        if at == len(tokens):
+            return tokens, text, thinking, False
+        parsed = parse_answer(tokenizer.decode(list(tokens[:at])), strip=not args.raw)
+        return tokens[:at], parsed.answer, parsed.thinking, True
+
+    so_far: tuple[int, ...] = ()
+    for ev in flagged(stream_generate(runtime, prompt, request=request, generation_config=gen_cfg,
+                                      enable_thinking=args.think, chat=not args.raw), request.params):
         if isinstance(ev, PrefillEvent) and not args.json:
             print(f"[prefill] {ev.tokens} tokens in {ev.seconds:.2f} s", file=sys.stderr)
         if isinstance(ev, StepEvent) and trace is not None:
@@ -350,13 +373,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         elif isinstance(ev, BlockEvent) and not args.json:
             if progress is not None:
                 progress.clear()
+            so_far += ev.tokens
+            text = within_max_tokens(so_far, ev.text, ev.thinking)[1]
             # a model can emit any byte: control characters are shown escaped, never sent raw
-            sys.stdout.write(printable(ev.text[printed:] if ev.text.startswith(ev.text[:printed])
-                                       else "\n" + ev.text))
+            sys.stdout.write(printable(text[printed:] if text.startswith(text[:printed]) else "\n" + text))
             sys.stdout.flush()
-            printed = len(ev.text)
+            printed = len(text)
         elif isinstance(ev, DoneEvent):
-            done = ev
+            tokens, text, thinking, cut = within_max_tokens(ev.tokens, ev.text, ev.thinking)
+            done = replace(ev, tokens=tokens, text=text, thinking=thinking, finish_reason="length") if cut else ev
     if progress is not None:
         progress.clear()
     assert done is not None

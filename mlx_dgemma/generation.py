@@ -307,7 +307,7 @@ def _answer(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
     limit = model.args.max_position_embeddings
     if history_len + len(ids) + n_blocks * C > limit:
         raise ParameterError(f"prompt: {history_len + len(ids)} tokens plus {n_blocks} block(s) of {C} exceed "
-                             f"the context of {limit}; shorten the prompt or max_new_tokens")
+                             f"the context of {limit}; shorten the prompt or max_new_tokens", param="max_new_tokens")
     if max(ids) >= model.args.vocab_size or min(ids) < 0:
         raise ParameterError(f"prompt: token ids must be in [0, {model.args.vocab_size})")
     if template is not None:

@@ -102,6 +102,7 @@ def load_gguf(path: Path, precision: Precision | str = "exact",
             model.shard(group)
         mx.eval(model.parameters())
         apply_precision(model, prec, config["quantization"])
+        mx.clear_cache()  # the conversion's temporaries: see apply_precision
         side = {"generation_config": source.generation_config, "tokenizer": source.tokenizer}
         if source.chat_template is not None:
             side["chat_template"] = source.chat_template

@@ -238,3 +238,17 @@ def finalize_block(block: list[int], eos_ids: tuple[int, ...], pad_id: int) -> t
         if t in eos_ids:
             return block[: i + 1] + [pad_id] * (len(block) - i - 1), True
     return block, False
+
+
+def max_tokens_cut(tokens: list[int] | tuple[int, ...], max_tokens: int | None, pad_id: int | None) -> int:
+    """How many of ``tokens`` an answer of at most ``max_tokens`` tokens keeps: the core
+    generates whole blocks, a caller's limit counts tokens, and padding is none (the cut is
+    after the ``max_tokens``-th other one). ``len(tokens)`` where they are within the limit."""
+    if max_tokens is None or len(tokens) <= max_tokens:
+        return len(tokens)
+    counted = 0
+    for i, t in enumerate(tokens):
+        counted += t != pad_id
+        if counted == max_tokens:
+            return i + 1
+    return len(tokens)

@@ -25,6 +25,29 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Leave with the suite's status once every report is written, without the interpreter's
+    shutdown: in-process servers ran MLX on their worker threads, and C++ static destructors
+    racing that state can abort the exit ("terminate called without an active exception",
+    status 134; CI run 36 ended so). ``mlx-dgemma serve`` leaves the same way, for the same reason."""
+    status = config.stash.get(_EXIT_STATUS, None)
+    if status is None:
+        return
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("MLX_DGEMMA_SLOW") == "1":
         for item in items:  # the suite's 10-minute hang bound is not theirs (full-size runs take longer)

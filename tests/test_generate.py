@@ -222,7 +222,7 @@ def test_cli_errors_are_one_line(tiny_model_dir, tmp_path, capsys):
     (["--sc-top-k", "0"], "--sc-top-k 0: must be an integer >= 1 (leave it out"),
     (["--max-tokens", "0"], "--max-tokens 0: must be an integer in [1, "),
     (["--t-min", "0.9"], "--t-min 0.9: must be below the first-step temperature (0.8)"),
-    (["--t-max", "0.3"], "--t-max 0.3: must be above the temperature floor (0.4)"),
+    (["--t-max", "0.3"], "--t-max 0.3: must be above the temperature floor (--t-min, 0.4)"),
     (["--entropy-bound", "0"], "--entropy-bound 0.0: must be a number in [1e-12, 1e9]"),
 ])
 def test_cli_sampler_errors_name_the_flag_typed(tiny_model_dir, capsys, flags, expected):
@@ -300,9 +300,9 @@ def test_logprobs_are_the_committing_steps_from_recomputed_logits(monkeypatch):
     calls: list[tuple] = []  # what each step was given: canvas, self-conditioning logits, temperature
     original = StepFunction.__call__
 
-    def spy(self, canvas, sc, temperature, key, history, cache, revealed=None, fixed=None):
+    def spy(self, canvas, sc, temperature, key, history, cache, revealed=None, held=None):
         calls.append((np.array(canvas), None if sc is None else np.array(sc), temperature, self.dtype, self.sc_top_k))
-        return original(self, canvas, sc, temperature, key, history, cache, revealed, fixed)
+        return original(self, canvas, sc, temperature, key, history, cache, revealed, held)
 
     monkeypatch.setattr(StepFunction, "__call__", spy)
     k = 4

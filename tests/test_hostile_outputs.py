@@ -368,7 +368,7 @@ def test_empty_and_vanishing_values_are_refused(work, capsys, argv, words):
 def _serve_flags(**kw):
     import argparse
 
-    base = dict(queue_size=1, max_body_mb=1.0, max_request_steps=1, max_request_seconds=None, max_connections=1,
+    base = dict(queue_size=1, max_body_mb=1.0, max_request_steps=1, max_request_seconds=None, max_connections=1, parallel=1,
                 header_timeout=1.0, body_timeout=1.0, api_key=None, cors=None, allowed_hosts=None, host="127.0.0.1")
     return argparse.Namespace(**{**base, **kw})
 

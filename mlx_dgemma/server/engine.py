@@ -667,9 +667,13 @@ class Engine(Shaping):
                              tok_per_fwd=round(answer.completion_tokens / clock.steps, 2))
         if result is None and job.stats.get("timeout") and not job.cancel.is_set():
             # --max-request-seconds: what is committed, and the block in progress as its latest
-            # draft (padded after an EOS as a committed block is), finish_reason "length"
+            # draft up to its first EOS (a draft's EOS is not an ending the model committed to),
+            # finish_reason "length"
             if last_step is not None:
-                block, _ = finalize_block([int(t) for t in last_step.draft], core.eos_token_id, core.pad_token_id)
+                block, drafted_eos = finalize_block([int(t) for t in last_step.draft], core.eos_token_id,
+                                                    core.pad_token_id)
+                if drafted_eos:
+                    block = block[:next(i for i, t in enumerate(block) if t in core.eos_token_id)]
                 parsed = parse_answer(self.tokenizer.decode(answer.tokens + block))
                 answer.add(tuple(block), parsed.answer, parsed.thinking)
             result = finish()

@@ -11,6 +11,7 @@ from typing import Any
 
 from mlx_dgemma.chat_template import (THOUGHT_CLOSE, THOUGHT_OPEN, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN, ToolCall,
                                       parse_answer, split_tool_calls)
+from mlx_dgemma.sampler import max_tokens_cut
 
 
 def marker_ids(tokenizer: Any) -> tuple[int | None, int | None]:
@@ -74,18 +75,11 @@ class Answer:
         self.tokens += block_tokens
         self.end = end
         gen = self.tokens
-        if self.max_tokens is not None and len(gen) > self.max_tokens:
-            # max_tokens counts tokens, and padding is none: the cut is after the max_tokens-th other one
-            counted, at = 0, len(gen)
-            for i, t in enumerate(gen):
-                counted += t != self.pad_id
-                if counted == self.max_tokens:
-                    at = i + 1
-                    break
-            if at < len(gen):
-                gen = gen[:at]
-                parsed = parse_answer(self.tokenizer.decode(gen))
-                text, thinking = parsed.answer, parsed.thinking
+        at = max_tokens_cut(gen, self.max_tokens, self.pad_id)
+        if at < len(gen):
+            gen = gen[:at]
+            parsed = parse_answer(self.tokenizer.decode(gen))
+            text, thinking = parsed.answer, parsed.thinking
         eos_at = next((i for i, t in enumerate(gen) if t in self.eos_ids), None)
         gen = gen[: eos_at + 1] if eos_at is not None else gen
         # a block of padding alone (no EOS before it): the model has ended its answer (one that
