@@ -26,7 +26,6 @@ DEMO_NOTICES = {
     "random": ("the random demo model has random weights: its text is noise, its denoising is real "
                "(README: Using a real model)"),
 }
-DEMO_NOTICE = DEMO_NOTICES["trained"]
 
 DEMO_NAME = "demo-random-v1.gguf"
 TRAINED_NAME = "diffusiongemma-9.9M-kjv-demo-Q8_0.gguf"

@@ -26,8 +26,6 @@ from .schema import QuantSpec
 from .tokenizer import Tokenizer
 from .validate import check_model_dir, model_dir_shards
 
-REQUIRED_FILES = ("config.json", "tokenizer_gguf.json")  # checked by validate.check_model_dir
-
 
 def build_model(config: dict[str, Any]) -> DiffusionGemma:
     """An (unloaded) model whose modules match the config's quantization section."""

@@ -58,9 +58,6 @@ class Trace:
             steps.clear()
         steps.append(ev)
 
-    def clear(self) -> None:
-        self.blocks.clear()
-
     @property
     def steps(self) -> list[tuple[int, int]]:
         """(block index, step index) of every recorded step, in order, both from 0 (list positions)."""

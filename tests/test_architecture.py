@@ -369,3 +369,22 @@ def test_no_import_cycles_in_the_whole_package():
 def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_module_constant_is_used_somewhere():
+    # a constant nothing reads is a second, stale statement of a fact (loader.REQUIRED_FILES restated
+    # validate's check; demo.DEMO_NOTICE one of DEMO_NOTICES): the package's UPPER_CASE module names
+    # are each read by the code, the tests, the benchmarks or the scripts
+    import re
+
+    readers = [p.read_text() for p in _sources("mlx_dgemma", "convert", "tui", "tests", "benchmarks", "scripts")]
+    unused = []
+    for path in _sources("mlx_dgemma", "convert", "tui"):
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            for name in (t.id for t in targets if isinstance(t, ast.Name) and re.fullmatch(r"[A-Z][A-Z0-9_]+", t.id)):
+                word = re.compile(rf"\b{name}\b")
+                if sum(len(word.findall(text)) for text in readers) < 2:  # its definition alone
+                    unused.append(f"{path.relative_to(ROOT).as_posix()}: {name}")
+    assert not unused, "module constants nothing reads (delete them):\n" + "\n".join(unused)
