@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 _EVENTS = ("StepEvent", "BlockEvent", "DoneEvent", "PrefillEvent", "PrefillProgressEvent", "Event")
 
