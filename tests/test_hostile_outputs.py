@@ -218,7 +218,7 @@ def test_doctor_report_onto_its_model_or_empty_is_refused_before_any_check(work,
 async def test_chat_trace_export_into_a_missing_directory_is_a_notice(work):
     # before: the export's ParameterError was not an OSError: the app crashed with a traceback
     from mlx_dgemma.tui.app import DGemmaApp
-    from tests.test_tui import SIZE, ask, wait_for
+    from tests.tui_helpers import SIZE, ask, wait_for
     from tests.tui_fakes import ScriptedBackend
 
     backend = ScriptedBackend(steps=2, blocks=1)

@@ -7,7 +7,7 @@ import time
 from mlx_dgemma.events import DoneEvent, PrefillProgressEvent
 from mlx_dgemma.tui.app import DGemmaApp
 
-from .test_tui import SIZE, done, screen, send, wait_for
+from .tui_helpers import SIZE, done, screen, send, wait_for
 from .tui_fakes import ScriptedBackend
 
 

@@ -9,7 +9,7 @@ pytest.importorskip("pytest_textual_snapshot", reason="pytest-textual-snapshot n
 
 from mlx_dgemma.tui.app import DGemmaApp  # noqa: E402
 
-from .test_tui import ask, wait_for  # noqa: E402
+from .tui_helpers import ask, wait_for  # noqa: E402
 from .tui_fakes import ScriptedBackend  # noqa: E402
 
 SIZE = (130, 36)
@@ -71,7 +71,7 @@ def test_settings_dialog(snap_compare):
 
 
 def test_failed_load_at_80x24(snap_compare):
-    from .test_tui import FailingLoad
+    from .tui_helpers import FailingLoad
 
     async def run_before(pilot):
         from mlx_dgemma.tui.screens.welcome import WelcomeScreen

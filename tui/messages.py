@@ -1,5 +1,5 @@
 """Messages from the engine thread to the UI (dataclasses; Textual's Message supports them).
-The chat screen handles each of them, every status included (tests/test_tui.py checks it)."""
+The chat screen handles each of them, every status included (tests/test_tui_engine.py checks it)."""
 
 from __future__ import annotations
 
