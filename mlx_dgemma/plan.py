@@ -288,6 +288,12 @@ class Plan:
             lines.append(f"  auto loads: {best}")
             if best != self.stored:  # made at every start from the stored form
                 lines.append(f"  to load {best} without re-quantizing at every start: `{self.convert_command(best)}`")
+        fast = self.row("fast")
+        if fast.repacked and fast.fits:
+            lines.append(f"  fast's figures include its 5-bit (Q5_0/Q5_1) weights repacked to 8 bits on the GPU "
+                         f"(+{gb(fast.repack_bytes)}, lossless: the same values, faster kernels)")
+        elif fast.repacked is False and fast.fits:
+            lines.append(f"  {self.repack_note()}")
         if self.machine is not None and self.machine.nax:
             lines.append("  an M5-class GPU: under macOS 26.2 or later MLX runs float32 matmuls with TF32-like (NAX) "
                          "kernels unless MLX_ENABLE_TF32=0, so exact is bit-exact only with it set")

@@ -106,6 +106,8 @@ def test_plan_counts_the_repack_at_full_size():
     assert row.weights_bytes == plain + q5 * 3 // 8 and row.load_peak_bytes >= row.weights_bytes
     assert row.repack_bytes / 1e9 == pytest.approx(1.56, abs=0.01)
     assert gpu.repack_note() is None
+    assert any("repacked to 8 bits" in ln and "+1.56 GB" in ln for ln in gpu.table())  # `plan` says so
+    assert not any("5-bit" in ln for ln in cpu.table())
     # the CPU backend, exact and the tiers: nothing repacked, nothing counted
     assert cpu.row("fast").repacked is None and cpu.row("fast").repack_bytes == 0
     assert gpu.row("exact").repacked is None and gpu.row("exact").weights_bytes == cpu.row("exact").weights_bytes
@@ -126,6 +128,7 @@ def test_plan_falls_back_to_the_5bit_form_when_only_it_fits():
     assert plan.choose("auto") == "fast"  # the repack never pushes auto to a lossier tier
     note = plan.repack_note()
     assert note is not None and "\n" not in note and "5-bit" in note and "1.56 GB" in note
+    assert f"  {note}" in plan.table()
 
 
 def test_load_without_the_repack_when_only_the_5bit_form_fits(tiny_model_dir, q5_paths, simulate_mac, caplog):
