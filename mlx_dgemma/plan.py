@@ -250,8 +250,8 @@ class Plan:
         if r.repacked is not False:
             return None
         return (f"{self.model}: fast keeps its 5-bit (Q5_0/Q5_1) weights 5-bit: repacked to 8 bits (lossless, faster "
-                f"on a GPU) they would need {gb(r.repack_bytes)} more than the {gb(self.available_bytes)} available "
-                f"({self.budget})")
+                f"on a GPU) they would take {gb(r.repack_bytes)} more, and the repack is made only where as much "
+                f"again stays free of the {gb(self.available_bytes)} available ({self.budget})")
 
     def to_dict(self) -> dict[str, Any]:
         best = self.best_fit(self.auto_candidates)
@@ -441,7 +441,7 @@ def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: 
     for p in TIERS:
         w, itemsize = priced(inventory, p), 4 if p == "exact" else act
         # fast on a GPU repacks its 5-bit weights to 8 bits (what that adds: ``extra``) where that
-        # fits, else loads them as stored: the repack never makes fast not fit
+        # fits with as much again to spare, else loads them as stored: the repack never makes fast not fit
         extra = priced(inventory, p, repack=True) - w if budget.gpu and p == "fast" else 0
         est = estimate(shape, context_tokens, new_blocks=0, dtype=itemsize)
         loadable = TIERS.index(p) >= TIERS.index(from_form)
@@ -459,7 +459,10 @@ def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: 
                 peak = held
             else:  # made at load time from a directory, which holds that directory's form first
                 peak = max(held, weight_bytes(inventory, from_form, layers))
-            fits = max(held + est.kv_bytes + est.working_bytes, peak) <= available
+            # the repack is a speed-up, not a need: it is made only where it leaves at least its own
+            # size free, so it never takes most of the room a longer conversation would use
+            margin = extra if repack else 0
+            fits = max(held + est.kv_bytes + est.working_bytes + margin, peak) <= available
             if fits or not repack:
                 break
         rows.append(PlanRow(p, held, est.kv_bytes, est.working_bytes, peak, loadable, fits, refused,

@@ -131,6 +131,18 @@ def test_plan_falls_back_to_the_5bit_form_when_only_it_fits():
     assert f"  {note}" in plan.table()
 
 
+def test_the_repack_leaves_at_least_its_own_size_free():
+    # a 32 GB Mac: the repacked form would fit with 0.74 GB to spare, less than the repack's 1.56:
+    # it stays 5-bit there (the room is a longer conversation's), and repacks where room is ample
+    inv, _ = _published_inventory()
+    args = _published_args()
+    roomy = make_plan("m", args, inv, "gguf", memory_limit=1 << 50, gpu=True).row("fast")
+    just = make_plan("m", args, inv, "gguf", memory_limit=roomy.needed_bytes, gpu=True).row("fast")
+    assert just.fits and just.repacked is False
+    ample = make_plan("m", args, inv, "gguf", memory_limit=roomy.needed_bytes + roomy.repack_bytes, gpu=True)
+    assert ample.row("fast").repacked is True
+
+
 def test_load_without_the_repack_when_only_the_5bit_form_fits(tiny_model_dir, q5_paths, simulate_mac, caplog):
     simulate_mac("mac-32gb")
     roomy = plan_model(tiny_model_dir).row("fast")
@@ -146,5 +158,5 @@ def test_load_without_the_repack_when_only_the_5bit_form_fits(tiny_model_dir, q5
     # with room, no line
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mlx_dgemma.loader"):
-        load(tiny_model_dir, precision="fast", dtype="float32", memory_limit=roomy.needed_bytes)
+        load(tiny_model_dir, precision="fast", dtype="float32", memory_limit=roomy.needed_bytes + roomy.repack_bytes)
     assert not [r for r in caplog.records if r.name == "mlx_dgemma.loader"]
