@@ -5,6 +5,7 @@ converted in memory."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +26,8 @@ from .runtime import Runtime
 from .schema import QuantSpec
 from .tokenizer import Tokenizer
 from .validate import check_model_dir, model_dir_shards
+
+log = logging.getLogger("mlx_dgemma.loader")
 
 
 def build_model(config: dict[str, Any]) -> DiffusionGemma:
@@ -195,9 +198,13 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
     from .plan import choose_across_ranks
 
     # under mlx.launch: this rank's share, and one precision agreed by every rank
-    chosen = choose_across_ranks(plan_model(p, memory_limit), requested or "auto")
+    plan = plan_model(p, memory_limit)
+    chosen = choose_across_ranks(plan, requested or "auto")
     if chosen != prec.name:
         prec = resolve_precision(chosen, dtype)
+    if prec.repack and plan.row(prec.name).repacked is False:  # fast fits, its 8-bit repack does not
+        prec = replace(prec, repack=False)
+        log.warning(plan.repack_note())
     if p.is_dir():
         model, _ = load_dir(p, precision=prec)
         tokenizer = Tokenizer.from_dir(p)

@@ -95,6 +95,11 @@ class PlanRow:
     loadable: bool  # the stored form can become this precision (never more exact than stored)
     fits: bool
     split_refused: bool = False  # several ranks: quantized whole before the split, whose groups it would cut
+    # fast on a GPU: its 5-bit legacy weights repacked to 8 bits (lossless, mlx_dgemma.tiers.REPACK_TYPES):
+    # True when counted in and done, False when it would not fit and the weights stay 5-bit
+    # (the figures are those of the 5-bit form), None when there is nothing to repack
+    repacked: bool | None = None
+    repack_bytes: int = 0  # what the repack adds (or would add) to the weights
 
     @property
     def resident_bytes(self) -> int:
@@ -238,6 +243,16 @@ class Plan:
                 f"over {self.ranks} ranks; give the ranks a directory converted with --precision exact or fast "
                 f"(each rank re-quantizes its own slices to {precision})")
 
+    def repack_note(self) -> str | None:
+        """One line when fast's 8-bit repack of its 5-bit weights does not fit (fast loads
+        them 5-bit, slower on a GPU), else None."""
+        r = self.row("fast")
+        if r.repacked is not False:
+            return None
+        return (f"{self.model}: fast keeps its 5-bit (Q5_0/Q5_1) weights 5-bit: repacked to 8 bits (lossless, faster "
+                f"on a GPU) they would take {gb(r.repack_bytes)} more, and the repack is made only where as much "
+                f"again stays free of the {gb(self.available_bytes)} available ({self.budget})")
+
     def to_dict(self) -> dict[str, Any]:
         best = self.best_fit(self.auto_candidates)
         return {"model": self.model, "stored": self.stored, "ranks": self.ranks, "rank": self.rank,
@@ -273,6 +288,12 @@ class Plan:
             lines.append(f"  auto loads: {best}")
             if best != self.stored:  # made at every start from the stored form
                 lines.append(f"  to load {best} without re-quantizing at every start: `{self.convert_command(best)}`")
+        fast = self.row("fast")
+        if fast.repacked and fast.fits:
+            lines.append(f"  fast's figures include its 5-bit (Q5_0/Q5_1) weights repacked to 8 bits on the GPU "
+                         f"(+{gb(fast.repack_bytes)}, lossless: the same values, faster kernels)")
+        elif fast.repacked is False and fast.fits:
+            lines.append(f"  {self.repack_note()}")
         if self.machine is not None and self.machine.nax:
             lines.append("  an M5-class GPU: under macOS 26.2 or later MLX runs float32 matmuls with TF32-like (NAX) "
                          "kernels unless MLX_ENABLE_TF32=0, so exact is bit-exact only with it set")
@@ -412,13 +433,16 @@ def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: 
         inventory = rank_inventory(inventory, splits)
     from_form = "exact" if stored == "gguf" else stored
 
-    def priced(inv: list[TensorInfo], p: str) -> int:
+    def priced(inv: list[TensorInfo], p: str, repack: bool = False) -> int:
         return (weight_bytes(inv, "exact", layers) if p == "exact"
-                else weight_bytes(inv, p, layers, scale_bytes=act, float_bytes=act))
+                else weight_bytes(inv, p, layers, scale_bytes=act, float_bytes=act, repack=repack))
 
     rows = []
     for p in TIERS:
         w, itemsize = priced(inventory, p), 4 if p == "exact" else act
+        # fast on a GPU repacks its 5-bit weights to 8 bits (what that adds: ``extra``) where that
+        # fits with as much again to spare, else loads them as stored: the repack never makes fast not fit
+        extra = priced(inventory, p, repack=True) - w if budget.gpu and p == "fast" else 0
         est = estimate(shape, context_tokens, new_blocks=0, dtype=itemsize)
         loadable = TIERS.index(p) >= TIERS.index(from_form)
         # several ranks: a form quantized before the split must split at whole groups (a
@@ -426,13 +450,23 @@ def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: 
         before = from_form if stored != "gguf" else p if p in ("q4", "q3") else None
         refused = ranks > 1 and loadable and before is not None and cuts_groups(full, splits, before, layers)
         loadable = loadable and not refused
-        if stored == "gguf":
-            # converted whole in memory (every rank converts all of it, then keeps its slices)
-            peak = priced(full, p)
-        else:  # a tier made at load time from a directory holds that directory's form first
-            peak = w if p == from_form else max(w, weight_bytes(inventory, from_form, layers))
-        need = max(w + est.kv_bytes + est.working_bytes, peak)
-        rows.append(PlanRow(p, w, est.kv_bytes, est.working_bytes, peak, loadable, need <= available, refused))
+        for repack in (True, False) if extra else (False,):
+            held = w + extra if repack else w
+            if stored == "gguf":
+                # converted whole in memory (every rank converts all of it, then keeps its slices)
+                peak = priced(full, p, repack)
+            elif p == from_form and not repack:
+                peak = held
+            else:  # made at load time from a directory, which holds that directory's form first
+                peak = max(held, weight_bytes(inventory, from_form, layers))
+            # the repack is a speed-up, not a need: it is made only where it leaves at least its own
+            # size free, so it never takes most of the room a longer conversation would use
+            margin = extra if repack else 0
+            fits = max(held + est.kv_bytes + est.working_bytes + margin, peak) <= available
+            if fits or not repack:
+                break
+        rows.append(PlanRow(p, held, est.kv_bytes, est.working_bytes, peak, loadable, fits, refused,
+                            repack if extra else None, extra))
     return Plan(model, stored, context_tokens, available, budget.label, tuple(rows), ranks, rank,
                 budget.machine, gguf if gguf is not None else model if stored == "gguf" else None)
 

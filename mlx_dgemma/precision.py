@@ -16,7 +16,11 @@ shared with ``convert --precision``); this module applies it to a loaded model, 
   self-conditioning do their multiply-adds once instead of over a zero-padded matrix twice as
   wide; and self-conditioning from each position's ``FAST_SC_TOP_K`` most likely tokens
   instead of the whole vocabulary. Approximate; the error against exact is measured (README,
-  ``bench``, benchmarks/RESULTS.md "The dial") and bounded in tests.
+  ``bench``, benchmarks/RESULTS.md "The dial") and bounded in tests. On a GPU (Metal or CUDA)
+  also the 5-bit legacy weights (Q5_0, Q5_1: the published file's down projections in 16 of its
+  30 layers) repacked to 8-bit groups of 32 with the same scales and biases, the same values bit
+  for bit (:data:`mlx_dgemma.tiers.REPACK_TYPES`), where the memory plan says the 3 more bits a
+  weight fit (``Precision.repack``); on MLX's CPU backend they stay 5-bit (benchmarks/repack.py).
 * ``q4`` / ``q3``: fast's activations and self-conditioning, and the weights re-quantized by the tier's recipe
   (:func:`mlx_dgemma.tiers.target`) with float16 scales (cast to the activation dtype on a GPU;
   kept float16 on the CPU, where they cost half the memory and MLX upcasts them per call).
@@ -40,8 +44,8 @@ import numpy as np
 from .errors import ModelFilesError, ParameterError
 from .gpu import keep_float32_exact
 from .schema import QuantSpec
-from .tiers import (FAST_BITS, FAST_GROUP, PRECISIONS, TIERS, Requantized, Target, check_precision_dtype,
-                    ordered_map, requantize_stored, stored_precision, target)
+from .tiers import (FAST_BITS, FAST_GROUP, PRECISIONS, REPACK_BITS, TIERS, Requantized, Target,
+                    check_precision_dtype, ordered_map, repacked, requantize_stored, stored_precision, target)
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 __all__ = ["DTYPES", "FAST_BITS", "FAST_GROUP", "PRECISIONS", "TIERS", "Precision", "apply_precision",
@@ -62,6 +66,9 @@ class Precision:
     name: str
     dtype: mx.Dtype
     sc_top_k: int | None = None  # self-conditioning from the top k tokens (None = exact)
+    # fast's 5-bit legacy weights repacked to 8 bits (lossless): on a GPU, unless the memory plan
+    # says they do not fit (the loader then turns it off and says so)
+    repack: bool = False
 
     @property
     def dtype_name(self) -> str:
@@ -108,7 +115,9 @@ def resolve_precision(precision: str | Precision | None = "auto", dtype: str | m
     if name == "exact":
         check_precision_dtype(name, None if dtype is None else str(dtype).split(".")[-1])
         return Precision("exact", mx.float32)
-    return Precision("fast" if name == "auto" else name, dtype if dtype is not None else fast_dtype(), FAST_SC_TOP_K)
+    name = "fast" if name == "auto" else name
+    return Precision(name, dtype if dtype is not None else fast_dtype(), FAST_SC_TOP_K,
+                     repack=name == "fast" and gpu_available())
 
 
 def check_loadable(stored: str, precision: Precision, source: str) -> None:
@@ -175,6 +184,30 @@ def _requantize_modules(todo: list[tuple[str, nn.Module, Target]]) -> None:
             out[k] = []
 
 
+def _repack_modules(modules: list[nn.Module]) -> None:
+    """Each 5-bit module's integers -> :data:`REPACK_BITS`-bit groups of the same size, scales and
+    biases untouched: the same dequantized values bit for bit. On the device (GPU: a pass over
+    the weight), a slice of rows at a time: the integers come out of ``mx.dequantize`` with unit
+    scales and zero biases (float32 holds 0..31 exactly) and are stored one byte each, MLX's
+    8-bit layout (little-endian bytes of each uint32)."""
+    for m in modules:
+        w = m["weight"]
+        n = w.shape[-1] * 32 // m.bits
+        rows = w.reshape(-1, w.shape[-1])
+        step = max(1, (1 << 24) // n)  # ~16 M weights a slice: a 64 MB float32 temporary
+        parts = []
+        for i in range(0, rows.shape[0], step):
+            part = rows[i:i + step]
+            ones = mx.ones((part.shape[0], n // m.group_size), mx.float32)
+            q = mx.dequantize(part, ones, mx.zeros_like(ones), group_size=m.group_size, bits=m.bits)
+            parts.append(q.astype(mx.uint8).view(mx.uint32))
+            mx.eval(parts[-1])
+        m.weight = (mx.concatenate(parts) if len(parts) > 1 else parts[0]).reshape(*w.shape[:-1], -1)
+        m.bits = REPACK_BITS
+        del w, rows, parts
+        mx.eval(m.weight)
+
+
 def _goal(precision: str, path: str, m: nn.Module, specs: dict[str, QuantSpec], num_layers: int) -> Target | None:
     spec = specs.get(path)
     if spec is not None and spec.ggml_type:
@@ -193,7 +226,8 @@ def apply_precision(model: nn.Module, precision: Precision, quantization: dict |
     weight's ggml type) unless already in that form, cast every quantized weight's scales and
     biases (the tiers' float16 ones only to a half-precision activation dtype) and every float
     parameter to ``precision.dtype`` (quantized weights' packed integers are untouched), and
-    the model's own ``activation_dtype``. The precision itself is the caller's to keep with the
+    the model's own ``activation_dtype``; with ``precision.repack``, repacks fast's 5-bit
+    legacy weights to 8 bits (lossless). The precision itself is the caller's to keep with the
     model (the loader's :class:`mlx_dgemma.runtime.Runtime`), as are steps traced before.
     """
     if precision.name == "exact":
@@ -210,6 +244,9 @@ def apply_precision(model: nn.Module, precision: Precision, quantization: dict |
         if goal is not None and (m.bits, m.group_size, m.subblock) != (goal.bits, goal.group_size, 32):
             todo.append((path, m, goal))
     _requantize_modules(todo)
+    if precision.repack:
+        _repack_modules([m for path, m in quantized if (m.bits, m.group_size, m.subblock) == (5, 32, 32)
+                         and path in specs and repacked(precision.name, specs[path].ggml_type)])
     for path, m in quantized:
         # the tiers' float16 scales stay float16 beside float32 activations (half the memory)
         keep = precision.lossy_weights and dt == mx.float32 and m["scales"].dtype == mx.float16

@@ -13,7 +13,9 @@ Precisions, most exact first:
 * ``fast``: the exact integers with scales in the activation dtype; padded sub-block types
   (Q2_K, Q3_K, Q6_K) re-quantized to 8-bit groups of 32 (Q3_K and Q6_K by the pairs rule,
   :data:`PAIR_COARSER`: cheap enough for every start). On disk (``convert --precision fast``,
-  formerly ``--compact``) the scales are float16.
+  formerly ``--compact``) the scales are float16. On a GPU, where the memory plan allows, the
+  runtime also repacks the 5-bit legacy types (:data:`REPACK_TYPES`) into 8-bit groups with the
+  same scales and biases (lossless; :func:`tensor_bytes` ``repack``); never on disk.
 * ``q4`` (fits a 24 GB Mac: 14.2 GB of weights at full size): experts 4-bit, the embedding
   (also the output head and the self-conditioning matrix) 6-bit, everything else (attention,
   dense MLP, self-conditioning MLP) 5-bit.
@@ -75,6 +77,17 @@ PADDED_TYPES = ("Q2_K", "Q3_K", "Q6_K")
 # sub-block's grid cover the other: min-max with refits keeps its error lower (13 % on random blocks).
 PAIRED_TYPES = ("Q3_K", "Q6_K")
 SCALE_DTYPE = np.float16  # scales and biases of every re-quantized weight, on disk and in memory
+
+# fast on a GPU: the 5-bit legacy types' integers (0..31, groups of 32) repacked as 8-bit groups
+# of 32 with the same scales and biases: the same dequantized values bit for bit, for 3 more bits
+# a weight. MLX's 5-bit kernels are not its GPUs' fast path (H100, MLX 0.32.4 CUDA: gather_qmm
+# at 5 bits 1.9 TFLOP/s, at 8 bits 5.0-5.5; issue 33). llama.cpp falls back to Q5_0 (Q4_K_M)
+# and Q5_1 (Q5_K_M) for rows that are not a multiple of 256: the published file's 704- and
+# 2112-wide down projections, 16 of its 30 layers' experts, +1.56 GB at full size. Q5_K is not
+# repacked: a Q5_K_M file holds most of its weights in it, and repacked the model would take
+# nearly Q8_0's memory.
+REPACK_TYPES = ("Q5_0", "Q5_1")
+REPACK_BITS = 8
 
 
 def check_precision_dtype(precision: str, dtype: str | None) -> None:
@@ -531,18 +544,25 @@ _FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 _FLOAT32_SCALES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
+def repacked(precision: str, ggml_type: str | None) -> bool:
+    """Whether ``precision``'s runtime form on a GPU repacks a weight stored as ``ggml_type``
+    into :data:`REPACK_BITS`-bit groups (:data:`REPACK_TYPES`; fast only, when the plan allows)."""
+    return precision == "fast" and ggml_type in REPACK_TYPES
+
+
 def tensor_bytes(info: TensorInfo, precision: str, num_layers: int, scale_bytes: int = 2,
-                 float_bytes: int | None = None) -> int:
+                 float_bytes: int | None = None, repack: bool = False) -> int:
     """Bytes ``precision`` holds for one weight. ``scale_bytes``: the itemsize of fast's scales
     (2 on a GPU, 4 on MLX's CPU backend, 2 on disk); ``float_bytes``: the itemsize float tensors
-    are held in (None: as stored)."""
+    are held in (None: as stored); ``repack``: fast's 5-bit legacy types held repacked at 8 bits
+    (the runtime's form on a GPU, :func:`repacked`)."""
     n = int(np.prod(info.shape))
     if info.ggml_type in _FLOAT_BYTES:
         return n * (float_bytes or _FLOAT_BYTES[info.ggml_type])
     t = target(precision, info.module, info.ggml_type, num_layers, info.shape[-1])
     if t is not None:
         return n * t.bits // 8 + 2 * (n // t.group_size) * np.dtype(SCALE_DTYPE).itemsize
-    bits = _EXACT_BITS[info.ggml_type]
+    bits = REPACK_BITS if repack and repacked(precision, info.ggml_type) else _EXACT_BITS[info.ggml_type]
     padded = info.ggml_type in PADDED_TYPES
     stored = n * (2 if padded else 1)
     if precision == "exact":
@@ -553,6 +573,6 @@ def tensor_bytes(info: TensorInfo, precision: str, num_layers: int, scale_bytes:
 
 
 def weight_bytes(inventory: Iterable[TensorInfo], precision: str, num_layers: int, scale_bytes: int = 2,
-                 float_bytes: int | None = None) -> int:
+                 float_bytes: int | None = None, repack: bool = False) -> int:
     """Bytes of all weights in ``precision`` (see :func:`tensor_bytes`)."""
-    return sum(tensor_bytes(i, precision, num_layers, scale_bytes, float_bytes) for i in inventory)
+    return sum(tensor_bytes(i, precision, num_layers, scale_bytes, float_bytes, repack) for i in inventory)
