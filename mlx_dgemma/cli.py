@@ -183,7 +183,14 @@ def flag_errors(overrides: Mapping[str, Any]) -> Iterator[None]:
             raise ParameterError(str(e).replace(e.param, flags()[e.param]), param=e.param) from e
         if e.param not in overrides or not e.rule:
             raise
-        raise ParameterError(e.restated(f"{flags()[e.param]} {overrides[e.param]!r}"), param=e.param, rule=e.rule,
+        from .params import PARAMS
+
+        rule = e.rule
+        for p in PARAMS:  # a rule between fields names the other by its label: here, by its flag
+            if p.label and p.name in flags() and f"the {p.label} (" in rule:
+                rule = rule.replace(f"the {p.label} (", f"{flags()[p.name]} (")
+        said = ParameterError(str(e), param=e.param, rule=rule, note=e.note)
+        raise ParameterError(said.restated(f"{flags()[e.param]} {overrides[e.param]!r}"), param=e.param, rule=rule,
                              note=e.note) from None
 
 

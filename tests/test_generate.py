@@ -222,8 +222,8 @@ def test_cli_errors_are_one_line(tiny_model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("flags, expected", [
     (["--sc-top-k", "0"], "--sc-top-k 0: must be an integer >= 1 (leave it out"),
     (["--max-tokens", "0"], "--max-tokens 0: must be an integer in [1, "),
-    (["--t-min", "0.9"], "--t-min 0.9: must be below the first-step temperature (0.8)"),
-    (["--t-max", "0.3"], "--t-max 0.3: must be above the temperature floor (0.4)"),
+    (["--t-min", "0.9"], "--t-min 0.9: must be below --t-max (0.8)"),
+    (["--t-max", "0.3"], "--t-max 0.3: must be above --t-min (0.4)"),
     (["--entropy-bound", "0"], "--entropy-bound 0.0: must be a number in [1e-12, 1e9]"),
 ])
 def test_cli_sampler_errors_name_the_flag_typed(tiny_model_dir, capsys, flags, expected):
