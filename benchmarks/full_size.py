@@ -203,26 +203,22 @@ def measure_convert(gguf: str, out: str, precision: str = "exact") -> dict:
 
 
 def measure_tier_layout(gguf: str, out: str, precision: str, seed: int = 0) -> dict:
-    """``convert --precision`` of a memory tier with the re-quantizer's arithmetic (dequantizing
-    every block with gguf-py, least-squares refits) replaced by random values of the same shapes
-    and dtypes: the directory has the tier's exact layout, config and size, so its load, memory
-    and speed are the tier's; its values (and conversion_report's errors) are not. At full size
-    the real re-quantizer takes hours on a slow CPU (~3 M weights/s on a loaded 2-core machine)."""
+    """``convert --precision`` of a memory tier with the re-quantizer's arithmetic (min-max and
+    least-squares refits of every group) replaced by random values of the same shapes and
+    dtypes: the directory has the tier's exact layout, config and size, so its load, memory
+    and speed are the tier's; its values (and conversion_report's errors) are not. For a quick
+    look at a tier's layout; the real tier conversion is measured by ``measure_convert``."""
     from mlx_dgemma.convert import tensors
     from mlx_dgemma.tiers import Requantized
 
     rng = np.random.default_rng(seed)
 
-    def fake_dequantize(chunk: np.ndarray, qtype: Any) -> np.ndarray:
-        block, size = GGML_QUANT_SIZES[qtype]
-        return np.empty(chunk.size // size * block, dtype=np.float32)  # only its shape is used
-
-    def fake_requantize(w: np.ndarray, t: Any) -> Requantized:
-        lead, n = w.shape[:-1], w.shape[-1]
+    def fake_requantize(q: np.ndarray, scales: Any, biases: Any, bits: int, subblock: int, t: Any) -> Requantized:
+        lead, n = q.shape[:-1], q.shape[-1]
         levels = (1 << t.bits) - 1
-        q = rng.integers(0, 1 << 32, (*lead, n * t.bits // 32), dtype=np.uint32)
+        w = rng.integers(0, 1 << 32, (*lead, n * t.bits // 32), dtype=np.uint32)
         s = np.full((*lead, n // t.group_size), 0.04 / levels, dtype=np.float16)
-        return Requantized(q, s, np.full_like(s, -0.02), 0.0, 0.0, 1.0)
+        return Requantized(w, s, np.full_like(s, -0.02), 0.0, 0.0, 1.0)
 
     import shutil
 
@@ -234,13 +230,13 @@ def measure_tier_layout(gguf: str, out: str, precision: str, seed: int = 0) -> d
         u = real_usage(path)
         return type(u)(u.total, u.used, max(u.free, 10**12))
 
-    saved = tensors.gguf_dequantize, tensors.requantize
-    tensors.gguf_dequantize, tensors.requantize = fake_dequantize, fake_requantize
+    saved = tensors.requantize_affine
+    tensors.requantize_affine = fake_requantize
     shutil.disk_usage = disk_usage
     try:
         res = measure_convert(gguf, out, precision)
     finally:
-        tensors.gguf_dequantize, tensors.requantize = saved
+        tensors.requantize_affine = saved
         shutil.disk_usage = real_usage
     res["impl"] = f"convert ({precision}), random values in the tier's layout"
     return res
@@ -329,14 +325,18 @@ def _one_step(runtime: Any, cache: Any, canvas: int, rng: np.random.Generator) -
 
 
 def available_bytes() -> int:
-    """The machine's available memory now (Linux MemAvailable)."""
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    """The machine's available memory now (Linux MemAvailable, macOS vm_stat; no /proc needed)."""
+    from mlx_dgemma.memory import system_available_bytes  # imports no MLX
+
+    avail = system_available_bytes()
+    return avail if avail is not None else total_bytes()
 
 
 def total_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    """The machine's RAM (sysconf: Linux and macOS)."""
+    from mlx_dgemma.rss import physical_ram_bytes
+
+    return physical_ram_bytes()
 
 
 def on_disk_tiers() -> tuple[str, ...]:

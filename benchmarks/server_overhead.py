@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 PROMPT = "Why is the sky blue?"
 
@@ -227,14 +226,10 @@ def main() -> int:
 
 
 def rss_bytes(pid: int) -> int:
-    """The resident set of process ``pid`` (Linux /proc; 0 where it cannot be read)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    """The resident set of process ``pid`` (Linux /proc, else ``ps``: macOS too; 0 where unknown)."""
+    from mlx_dgemma.rss import process_rss_bytes
+
+    return process_rss_bytes(pid)
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -317,7 +312,7 @@ def disconnects(server: Server, body: dict, client_body: dict, n: int = 4) -> di
         stream = i < n
         payload = json.dumps({**body, "stream": stream, "seed": 1000 + i}).encode() if stream else data
         s = socket.create_connection(("127.0.0.1", port), timeout=60)
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         socks.append((s, stream))
     for s, stream in socks:

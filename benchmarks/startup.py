@@ -32,6 +32,10 @@ COMMANDS: dict[str, list[str]] = {
     "generate: bad flag value": ["generate", "--demo", "--prompt", "hi", "--steps", "0"],
     "serve: missing --model file": ["serve", "--model", "/nonexistent/model.gguf"],
     "convert: missing GGUF": ["convert", "/nonexistent/model.gguf", "/tmp/mlx-dgemma-startup-out"],
+    # issue 30's slow refusals (stderr is a pipe here: chat has no terminal)
+    "chat --demo: no terminal": ["chat", "--demo"],
+    "generate: --precision exact --dtype bfloat16": ["generate", "--demo", "--prompt", "hi", "--precision", "exact",
+                                                     "--dtype", "bfloat16"],
 }
 
 

@@ -30,11 +30,10 @@ import numpy as np
 
 def densified(model: nn.Module) -> nn.Module:
     """``model`` with every quantized module replaced by a dense float32 one of the same values."""
-    from mlx_lm.models.switch_layers import SwitchLinear
-
     from mlx_dgemma.precision import _is_quantized
     from mlx_dgemma.quantized import FloatEmbedding, GGUFQuantizedEmbedding, GGUFQuantizedSwitchLinear, _tree
     from mlx_dgemma.schema import unpad_subblocks
+    from mlx_dgemma.switch_layers import SwitchLinear
 
     swaps = []
     for path, m in model.named_modules():

@@ -16,13 +16,15 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
+from typing import Callable
 
 from mlx_dgemma.errors import terminate_as_interrupt
-from mlx_dgemma.rss import peak_rss_bytes  # not .memory: that imports MLX
-from mlx_dgemma.paths import user_path
+from mlx_dgemma.memory import gb  # its estimates import no MLX (the converter never does)
+from mlx_dgemma.paths import output_clash, user_path
+from mlx_dgemma.plan import Budget, make_plan, offline_budget
+from mlx_dgemma.rss import peak_rss_bytes
 from mlx_dgemma.schema import QuantSpec
-from mlx_dgemma.tiers import TIER_HELP, TIERS, TensorInfo, tensor_bytes
+from mlx_dgemma.tiers import TIER_RECIPE, TIERS, TensorInfo, tensor_bytes
 from mlx_dgemma.validate import check_tokenizer_data
 
 from .errors import ConvertError
@@ -73,8 +75,10 @@ class ConvertReport:
         """Lossy (the former ``--compact`` is ``precision == "fast"``)."""
         return self.precision != "exact"
 
-    def summary_lines(self) -> list[str]:
-        mode = "exact (lossless)" if self.precision == "exact" else f"{self.precision} (lossy: {TIER_HELP[self.precision]})"
+    def summary_lines(self, errors: bool = True) -> list[str]:
+        """The summary a conversion prints; ``errors=False`` leaves out the lossy tensors' error
+        line (``--verify`` follows with its own, recomputed from the GGUF)."""
+        mode = "exact (lossless)" if self.precision == "exact" else f"{self.precision} (lossy: {TIER_RECIPE[self.precision]})"
         lines = [f"converted {self.tensors} tensors in {self.seconds:.1f} s [{mode}]",
                  f"  input  {self.source}  {self.input_bytes / 1e9:.3f} GB",
                  f"  output {self.output}  {self.output_bytes / 1e9:.3f} GB",
@@ -82,7 +86,7 @@ class ConvertReport:
                  "  type   tensors      weights   GGUF bpw   MLX bpw"]
         for t, s in sorted(self.by_type.items()):
             lines.append(f"  {t:<6} {s.tensors:>7} {s.elements:>12,} {s.gguf_bpw:>9.3f} {s.mlx_bpw:>9.3f}")
-        if self.lossy and self.max_abs_error:
+        if errors and self.lossy and self.max_abs_error:
             lines.append("  " + self.error_line())
         return lines
 
@@ -142,18 +146,25 @@ def _write_side_files(tmp: Path, source: GGUFSource, cfg_json: dict) -> None:
 
 def convert(gguf_path: str | Path, out_dir: str | Path, *, precision: str = "exact", compact: bool = False,
             force: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-            progress: Progress | None = None) -> ConvertReport:
+            progress: Progress | None = None, budget: Budget | None = None,
+            notice: Callable[[str], None] | None = None) -> ConvertReport:
     """Convert a DiffusionGemma GGUF into an MLX model directory in ``precision`` (exact unless
     told: ``mlx_dgemma.tiers``; ``compact=True`` is the older spelling of ``precision="fast"``),
     so a small machine never has to hold the exact form.
+
+    ``budget`` (:class:`mlx_dgemma.plan.Budget`: a Mac preset, a memory limit, or this machine's,
+    :func:`mlx_dgemma.plan.offline_budget`) is what the output must run in: before anything is
+    written, ``notice`` is told (one line) when ``precision``'s form will not run there and what
+    would; ``precision="auto"`` writes the most exact form that runs there (this machine's without
+    a ``budget``), and refuses when none does.
 
     ``force`` replaces ``out_dir`` only if it is a directory an earlier conversion wrote; an
     output that is, contains or lies inside the input is always refused.
     """
     t0 = time.perf_counter()
     precision = "fast" if compact and precision == "exact" else precision
-    if precision not in TIERS:
-        raise ConvertError(f"precision {precision!r}: must be one of {', '.join(TIERS)}")
+    if precision not in (*TIERS, "auto"):
+        raise ConvertError(f"precision {precision!r}: must be auto or one of {', '.join(TIERS)}")
     src, out = user_path(gguf_path), user_path(out_dir)
     if not (isinstance(max_shard_bytes, int) and max_shard_bytes >= 1):
         raise ConvertError(f"max_shard_bytes = {max_shard_bytes!r}: must be a positive integer")
@@ -161,6 +172,12 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, precision: str = "exa
     parent = _check_output(src, out, force)
     remove_stale_partials(parent, out.name)
     source = GGUFSource(src, ARCH)
+    if budget is not None or precision == "auto":
+        try:
+            precision = choose_form(source, precision, budget or offline_budget(), notice)
+        except BaseException:
+            source.close()
+            raise
     need = estimate_output_bytes(source, precision, max_shard_bytes)
     tmp = parent / f"{_tmp_prefix(out.name)}.partial-{os.getpid()}"
     report = ConvertReport(src, out, precision, input_bytes=src.stat().st_size)
@@ -195,6 +212,41 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, precision: str = "exa
     return report
 
 
+def choose_form(source: GGUFSource, precision: str, budget: Budget, notice: Callable[[str], None] | None) -> str:
+    """The precision to write from ``source`` (a :class:`GGUFSource`: its shape and inventory):
+    ``precision``, or for ``auto`` the most exact form that runs in ``budget`` (a
+    :class:`ConvertError` when none does); ``notice`` is told, before anything is written, when
+    the form written will not run there, and what would (the memory plan's figures,
+    :mod:`mlx_dgemma.plan`)."""
+    plan = make_plan(source.path.name, source.args, [TensorInfo(*t) for t in source.inventory()], "gguf",
+                     budget=budget, gguf=str(source.path))
+    big = max(plan.available_bytes, plan.row("exact").resident_bytes) >= 1e9
+
+    def size(n: int) -> str:  # one unit in a line ("0.10 GB, more than 0.10 GB" said nothing)
+        return gb(n) if big else f"{n / 1e6:.0f} MB"
+
+    where = f"the {size(plan.available_bytes)} of {plan.budget}"
+    if precision == "auto":
+        form = plan.best_form(TIERS)
+        if form is None:
+            raise ConvertError(f"--precision auto: no form of {source.path.name} runs in {where}: "
+                               f"{TIERS[-1]}, the smallest, needs {size(plan.row(TIERS[-1]).resident_bytes)}; "
+                               "give a precision to write one anyway, or --machine NAME for the Mac it is for")
+        if notice is not None:
+            notice(f"--precision auto: writing {form}, the most exact form that runs in {where} "
+                   f"(it needs about {size(plan.row(form).resident_bytes)})")
+        return form
+    need = plan.row(precision).resident_bytes
+    if need > plan.available_bytes and notice is not None:
+        form = plan.best_form(TIERS)
+        what = (f"--precision {form} writes one that does ({size(plan.row(form).resident_bytes)}), and "
+                "--precision auto picks it" if form is not None
+                else f"no form does ({TIERS[-1]}, the smallest, needs {size(plan.row(TIERS[-1]).resident_bytes)})")
+        notice(f"note: the {precision} form needs about {size(need)} to run, more than {where}: it will not "
+               f"run there; {what} (writing {precision} as asked; Ctrl+C stops before anything is kept)")
+    return precision
+
+
 def _remove_empty(dirs: list[Path]) -> None:
     """Remove the parent directories a failed conversion created (deepest first), if empty."""
     for d in dirs:
@@ -207,24 +259,13 @@ def _remove_empty(dirs: list[Path]) -> None:
 REPORT_FILE = "conversion_report.json"
 
 
-def _is_within(path: Path, root: Path) -> bool:
-    try:
-        path.relative_to(root)
-        return True
-    except ValueError:
-        return False
-
-
 def _check_output(src: Path, out: Path, force: bool) -> Path:
     """Refuse outputs that would overwrite the input or anything we did not write; returns the
     (resolved) parent directory the output goes in."""
-    src_r, out_r = src.resolve(), out.resolve()
-    if out_r == src_r:
-        raise ConvertError(f"{out}: is the input file; choose a new directory for the output")
-    if _is_within(src_r, out_r):
-        raise ConvertError(f"{out}: contains the input file {src}; choose a new directory for the output")
-    if _is_within(out_r, src_r):
-        raise ConvertError(f"{out}: would be inside the input file {src}; choose a directory elsewhere")
+    clash = output_clash(out, [src])  # the rule every command's outputs follow (symlinks, hard links)
+    if clash is not None:
+        raise ConvertError(f"{out}: {clash}; choose a new directory for the output")
+    out_r = out.resolve()
     name_max = 255
     try:
         name_max = os.pathconf(out_r.parent, "PC_NAME_MAX") if out_r.parent.is_dir() else 255

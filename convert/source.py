@@ -16,6 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class GGUFSource:
         self.reader = open_gguf(self.path, architecture)
         self.metadata, self.args = model_metadata(self.reader, str(self.path))
         self._file = open(self.path, "rb")
+        self._lock = threading.Lock()
         self._stat = os.fstat(self._file.fileno())
 
     def close(self) -> None:
@@ -176,15 +178,16 @@ class GGUFSource:
             want = (r1 - r0) * row_bytes
             buf = np.empty(want, dtype=np.uint8)
             view, got = memoryview(buf), 0
-            self._file.seek(off + r0 * row_bytes)
-            while got < want:
-                k = self._file.readinto(view[got:])
-                if not k:
-                    raise ConvertError(f"{self.path}: the file changed during conversion (tensor {t.name!r} "
-                                       f"ends at byte {off + n}, the file now has "
-                                       f"{os.fstat(self._file.fileno()).st_size}); "
-                                       "nothing was kept, convert again once the file is complete")
-                got += k
+            with self._lock:  # the re-quantizer's threads read chunks of one tensor
+                self._file.seek(off + r0 * row_bytes)
+                while got < want:
+                    k = self._file.readinto(view[got:])
+                    if not k:
+                        raise ConvertError(f"{self.path}: the file changed during conversion (tensor {t.name!r} "
+                                           f"ends at byte {off + n}, the file now has "
+                                           f"{os.fstat(self._file.fileno()).st_size}); "
+                                           "nothing was kept, convert again once the file is complete")
+                    got += k
             return buf.reshape(r1 - r0, row_bytes)
 
         return _ReadTensor(t.name, t.shape, t.tensor_type, t.n_bytes, t.data_offset, read_rows)

@@ -8,11 +8,10 @@ from typing import Callable, Iterator
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
-from gguf.quants import dequantize as gguf_dequantize
 
 from mlx_dgemma.errors import NonFiniteError
 from mlx_dgemma.schema import ModelArgs, QuantSpec
-from mlx_dgemma.tiers import SCALE_DTYPE, requantize, target
+from mlx_dgemma.tiers import SCALE_DTYPE, Requantized, ordered_map, requantize_affine, target
 from .errors import ConvertError
 from .names import expected_tensors, mlx_name, module_path, stored_names
 from .quants import (FLOAT_TYPES, FORMATS, SUPPORTED_TYPES, dequantize_affine, narrowest_exact_dtype,
@@ -23,6 +22,9 @@ from .quants import (FLOAT_TYPES, FORMATS, SUPPORTED_TYPES, dequantize_affine, n
 _CHUNK_BYTES = 8 << 20
 # Input bytes repacked at once by the exact path (its temporaries are ~40x the input).
 _REPACK_BYTES = 2 << 20
+# Input bytes re-quantized at once by a thread (lossy precisions): ~2 M weights, ~10 MB of
+# float32 temporaries, several chunks per tensor for the threads to share.
+_TIER_CHUNK_BYTES = 1 << 20
 
 
 @dataclass
@@ -166,7 +168,7 @@ def convert_tensor(t, precision: str = "exact", num_layers: int = 0) -> Converte
 
     ``precision`` "exact" repacks bit-exactly; a lossy precision (``mlx_dgemma.tiers``) either
     keeps the exact integers with float16 scales or re-quantizes the tensor with the one
-    re-quantizer (:func:`mlx_dgemma.tiers.requantize`), and records its error against the exact
+    re-quantizer (:func:`mlx_dgemma.tiers.requantize_affine`), and records its error against the exact
     values. ``num_layers`` tells the tier recipes which layers are the first and last.
 
     Nothing is computed here: the returned parts read and repack ``t`` in row chunks of about
@@ -205,16 +207,28 @@ def convert_tensor(t, precision: str = "exact", num_layers: int = 0) -> Converte
         bits, group, subblock = goal.bits, goal.group_size, 32
         s_out = np.empty((rows, width // group), dtype=SCALE_DTYPE)
         b_out = np.empty_like(s_out)
+        tstep = max(1, _TIER_CHUNK_BYTES // max(1, row_bytes))
+
+        def requantize_rows(r0: int) -> Requantized:
+            # the exact integers and scales of these rows, straight from the blocks (the values
+            # q * scale + bias are gguf-py's, bit for bit: see quants.py), re-quantized
+            chunk = read(r0, min(rows, r0 + tstep))
+            s = fmt.split(np.ascontiguousarray(chunk).reshape(-1, fmt.type_size()))
+            n = chunk.shape[0]
+            # NaN/Inf scales make NaN/Inf values: a corrupt file, not a range float16 lacks
+            bad = [_count_bad(a) for a in (s.scales, s.biases)]
+            _check_finite(t.name, sum(x for x, _ in bad), sum(y for _, y in bad),
+                          f"scales and offsets of rows {r0}..{r0 + n - 1}")
+            try:
+                return requantize_affine(s.q.reshape(n, width), s.scales.reshape(n, -1), s.biases.reshape(n, -1),
+                                         fmt.bits, fmt.subblock, goal)
+            except OverflowError as e:
+                raise ConvertError(f"tensor {t.name!r}: {e}; convert it with --precision exact") from None
 
         def requantized() -> Iterator[np.ndarray]:
-            for r0 in range(0, rows, step):
-                chunk = read(r0, min(rows, r0 + step))
-                exact = gguf_dequantize(chunk, qtype).reshape(chunk.shape[0], width)
-                try:
-                    r = requantize(exact, goal)
-                except OverflowError as e:
-                    raise ConvertError(f"tensor {t.name!r}: {e}; convert it with --precision exact") from None
-                s_out[r0:r0 + step], b_out[r0:r0 + step] = r.scales, r.biases
+            # row chunks on several threads, taken in order: the same numbers as one thread
+            for r0, r in zip(range(0, rows, tstep), ordered_map(requantize_rows, range(0, rows, tstep))):
+                s_out[r0:r0 + tstep], b_out[r0:r0 + tstep] = r.scales, r.biases
                 err.add(r.max_abs_error, r.sq_error, r.sq_exact)
                 yield r.weight
 

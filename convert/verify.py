@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from gguf.quants import dequantize as gguf_dequantize
 
-from mlx_dgemma.paths import user_path
+from mlx_dgemma.paths import EMPTY, empty_path, input_problem, user_path
 from mlx_dgemma.tiers import stored_precision
 
 from mlx_dgemma.schema import SAFETENSORS_DTYPES, STORED_DTYPES, ModelArgs, QuantSpec, unpad_subblocks
@@ -46,13 +46,16 @@ def open_safetensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def open_model_dir(model_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
+def open_model_dir(model_dir: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     """(config, lazily mapped weights) of a converted directory, validated first (the same
     checks ``load`` runs: config, shards listed by the index and no others, headers)."""
-    model_dir = Path(model_dir).expanduser()
-    if not (model_dir / "config.json").is_file():
-        raise ConvertError(f"{model_dir}: no config.json; give a directory written by mlx-dgemma convert")
-    config = check_model_dir(model_dir)
+    given, model_dir = model_dir, user_path(model_dir)
+    # missing, a file, unreadable, empty: said as such
+    problem = EMPTY if empty_path(given) else input_problem(model_dir, want_dir=True)
+    if problem is not None:
+        raise ConvertError(f"{repr(str(given)) if problem == EMPTY else model_dir}: {problem}; give the directory "
+                           "written by mlx-dgemma convert")
+    config = check_model_dir(model_dir)  # names config.json when it is missing or not a file
     weights: dict[str, np.ndarray] = {}
     for f in model_dir_shards(model_dir):
         weights.update(open_safetensors(f))
@@ -137,7 +140,7 @@ def _nan_text(nan_here: int, nan_gguf: int) -> str:
 def verify(model_dir: str | Path, gguf_path: str | Path,
            progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
     """Compare every tensor of ``model_dir`` with the GGUF it was converted from."""
-    config, weights = open_model_dir(user_path(model_dir))
+    config, weights = open_model_dir(model_dir)
     with GGUFSource(gguf_path, ARCH) as source:  # architecture, tensor names and shapes first
         check_same_model(config, source.args, user_path(model_dir), source.path)
         stored = stored_precision(config)

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .schema import ModelArgs
-
-DEFAULT_BUCKET = 1024
+from .schema import DEFAULT_BUCKET, ModelArgs
 
 
 def view_length(filled: int, capacity: int, granule: int) -> int:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from .errors import DGemmaError, Terminated, hold_interrupts, terminate_as_interrupt
 from .params import flags  # generation parameter -> its flag (standard library only)
+from .stdio import standard_streams, stdout_closed  # imported here: no import between main() and its handlers
 
 if TYPE_CHECKING:
     from .events import StepEvent
@@ -31,16 +32,31 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     if not (math.isfinite(args.max_shard_gb) and 0.001 <= args.max_shard_gb <= 1e6):
         raise ParameterError(f"--max-shard-gb {args.max_shard_gb}: must be a number of GB in [0.001, 1e6]")
-    check_gguf_input(args.gguf)  # a mistyped path fails before the converter's imports
-    from mlx_dgemma.convert.converter import convert
+    if args.machine is not None and args.memory_limit is not None:
+        raise ParameterError(f"--machine {args.machine} --memory-limit {args.memory_limit}: give one of them "
+                             "(a Mac's budget is its GPU's default working set)")
+    from .machines import machine
+    from .plan import offline_budget
 
+    # where the output must run (no MLX: the converter never imports it): --machine, --memory-limit,
+    # else this machine; told before anything is written when the form will not run there
+    budget = offline_budget(memory_limit(args), machine(args.machine) if args.machine else None)
+    check_gguf_input(args.gguf)  # a mistyped path fails before the converter's imports
+    from mlx_dgemma.convert.converter import REPORT_FILE, convert
+
+    from .errors import OutputError
     from .progress import ProgressBar
 
     bar = ProgressBar("converting")
     report = convert(args.gguf, args.out_dir, precision=args.precision, force=args.force,
                      max_shard_bytes=int(args.max_shard_gb * 1e9),
-                     progress=lambda done, total, i, n, name: bar.update(done, total, f"{i}/{n} {name}"))
-    print("\n".join(report.summary_lines()))
+                     progress=lambda done, total, i, n, name: bar.update(done, total, f"{i}/{n} {name}"),
+                     budget=budget, notice=lambda line: print(line, file=sys.stderr, flush=True))
+    try:  # with --verify, its error line (recomputed from the GGUF) is the one printed
+        print("\n".join(report.summary_lines(errors=not args.verify)), flush=True)
+    except OutputError as e:  # the directory is whole: say so, not just that the summary was lost
+        raise OutputError(f"{e} (the conversion itself is complete: {report.output}, its summary in "
+                          f"{REPORT_FILE} there)") from None
     if args.verify:
         return _run_verify(args.out_dir, args.gguf)
     return 0
@@ -69,6 +85,9 @@ def _run_verify(out_dir: str, gguf: str) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from .paths import check_gguf_input
+
+    check_gguf_input(args.gguf)  # a mistyped path fails before the verifier's imports
     return _run_verify(args.out_dir, args.gguf)
 
 
@@ -106,14 +125,17 @@ def planned_precision(args: argparse.Namespace) -> str:
     """--precision after the memory plan (auto -> the most exact form that fits --memory-limit or
     the device); refuses, in one line, a model that does not fit. Nothing is loaded."""
     if not getattr(args, "demo", False) and not getattr(args, "model", None):
+        if getattr(args, "memory_limit", None) is not None:
+            with hold_interrupts():  # the plan's module imports MLX
+                memory_limit(args)  # a bad size is refused even with no model to plan yet
         return args.precision
     # the plan imports MLX (the device's memory): Ctrl+C inside mlx.core's import was swallowed
     # (the server then started anyway) or aborted the process; reading a header takes a moment
     with hold_interrupts():
         from .loader import plan_model
-        from .plan import choose_across_ranks, parse_size
+        from .plan import choose_across_ranks
 
-        limit = parse_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
+        limit = memory_limit(args)
         if getattr(args, "demo", False):  # the demo is a model file like any other: planned the same
             from .demo import demo_file
 
@@ -122,6 +144,17 @@ def planned_precision(args: argparse.Namespace) -> str:
             model = args.model
         # under mlx.launch: this rank's share, and the same precision on every rank
         return choose_across_ranks(plan_model(model, limit), args.precision)
+
+
+def memory_limit(args: argparse.Namespace) -> int | None:
+    """``--memory-limit`` in bytes; None where the command has none or it was not given (given
+    empty, it is refused like any other bad size, not taken as absent)."""
+    value = getattr(args, "memory_limit", None)
+    if value is None:
+        return None
+    from .plan import parse_size
+
+    return parse_size(value)
 
 
 def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,16 +171,25 @@ def sampler_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 @contextmanager
 def flag_errors(overrides: dict[str, Any]) -> Iterator[None]:
-    """Restate a ParameterError about a generation parameter set by a flag with the flag's name."""
+    """Restate a ParameterError about a generation parameter set by a flag with the flag's name
+    (one that names a parameter in a sentence, whoever set it, names its flag)."""
     from .errors import ParameterError
 
     try:
         yield
     except ParameterError as e:
+        if e.param in flags() and not e.rule and e.param in str(e):  # named in a sentence: the flag instead
+            raise ParameterError(str(e).replace(e.param, flags()[e.param]), param=e.param) from e
         if e.param not in overrides or not e.rule:
             raise
         raise ParameterError(f"{flags()[e.param]} {overrides[e.param]!r}: must be {e.rule}",
                              param=e.param, rule=e.rule) from e
+
+
+def flagged(events: Iterator[Any], overrides: dict[str, Any]) -> Iterator[Any]:
+    """``events`` with the core's errors (a prompt and answer beyond the context) naming flags."""
+    with flag_errors(overrides):
+        yield from events
 
 
 def check_sampler_flags(overrides: dict[str, Any], generation_config: dict | None = None) -> None:
@@ -190,7 +232,7 @@ def read_prompt(args: argparse.Namespace) -> tuple[str, str]:
     """(the prompt text, the flag it came from): ``--prompt TEXT``, ``--prompt -`` (stdin) or
     ``--prompt-file PATH`` (``-``: stdin), read as UTF-8."""
     from .errors import ParameterError
-    from .paths import input_problem, user_path
+    from .paths import EMPTY, empty_path, input_problem, user_path
 
     flag = "--prompt" if args.prompt is not None else "--prompt-file"
     source = args.prompt if args.prompt is not None else args.prompt_file
@@ -205,9 +247,11 @@ def read_prompt(args: argparse.Namespace) -> tuple[str, str]:
         where = "standard input"
     else:
         path = user_path(source)
-        problem = input_problem(path, want_dir=False)
+        empty = empty_path(source)  # Path("") is ".": "is a directory" would mislead
+        problem = EMPTY if empty else input_problem(path, want_dir=False)
         if problem is not None:
-            raise ParameterError(f"{flag} {source}: {problem}; give a text file with the prompt")
+            raise ParameterError(f"{flag} {repr(source) if empty else source}: {problem}; give a text file with "
+                                 "the prompt ('-': read it from standard input)")
         try:
             with open(path, "rb") as f:
                 raw = f.read(PROMPT_LIMIT + 1)
@@ -256,29 +300,34 @@ class StepLine:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .paths import resolve_model
-    from .trace import check_trace_path
+    from .paths import check_output_file, resolve_model
 
     with hold_interrupts():  # the tokenizers package: a Rust (pyo3) init, as pydantic-core's
         from .tokenizer import check_text
 
     # every argument first, with the standard library only: a mistake answers at once
     overrides = sampler_overrides(args)
+    from .tiers import check_precision_dtype  # no MLX
+
+    check_precision_dtype(args.precision, args.dtype)
     prompt, prompt_flag = read_prompt(args)
     check_text(prompt, prompt_flag)
     if not prompt.strip():  # stream_generate refuses it too, but only after the model has loaded
         from .errors import ParameterError
 
         raise ParameterError(f"{prompt_flag}: the prompt is empty; give some text")
-    if args.trace:
-        check_trace_path(args.trace, "--trace")
     model_path = resolve_model(args.model, args.demo)  # --model, else $MLX_DGEMMA_MODEL; checked
+    trace_out = None
+    if args.trace is not None:  # never over an input of this run: the model, the prompt file
+        from .demo import trained_demo_path
+
+        inputs = [model_path or trained_demo_path(), args.prompt_file if args.prompt_file != "-" else None]
+        trace_out = check_output_file(args.trace, "--trace", inputs, example="trace.jsonl")
     with hold_interrupts():
         from .events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
         from .generation import stream_generate
-        from .plan import parse_size
         from .text import printable
-    limit = parse_size(args.memory_limit) if args.memory_limit else None
+    limit = memory_limit(args)
     runtime = load_for_cli(model_path, args.demo, args.dtype, args.precision, limit)
     model, tokenizer, gen_cfg = runtime.model, runtime.tokenizer, runtime.generation_config
     check_sampler_flags(overrides, gen_cfg)  # against the model's own defaults
@@ -289,13 +338,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     printed = 0
     done: DoneEvent | None = None
     trace = None
-    if args.trace:
+    if trace_out is not None:
         from .sampler import SamplerParams
         from .trace import Trace, settings_in_effect, trace_header
 
         params_in_effect = SamplerParams.from_config(gen_cfg, **overrides)
         settings = settings_in_effect(params_in_effect, runtime.sc_top_k(params_in_effect))
-        trace = Trace(header=trace_header(args.prompt, settings, "demo model" if args.demo else str(args.model),
+        trace = Trace(header=trace_header(prompt, settings, "demo model" if args.demo else str(model_path),
                                           runtime.precision.label, seed=settings.pop("seed"),
                                           thinking=args.think, raw=args.raw))
     with flag_errors(overrides):  # the flags against the model's config and vocabulary, before any work
@@ -303,6 +352,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         params = SamplerParams.from_config(gen_cfg, **overrides)
         params.check_model(model.args.vocab_size)
+    template = None
+    if args.canvas_template is not None:
+        from .canvas import CanvasTemplate
+
+        template = CanvasTemplate.parse(args.canvas_template, tokenizer)
+        C = model.args.canvas_length
+        template.check(model.args.vocab_size, -(-params.max_new_tokens // C) * C, name="--canvas-template")
     # a step line on a terminal only, and never in the way of the answer: where the answer
     # goes to the same terminal, only until its first words are written
     progress = None
@@ -311,8 +367,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         progress = StepLine(math.ceil(params.max_new_tokens / model.args.canvas_length))
     shared_tty = sys.stdout.isatty()
-    for ev in stream_generate(runtime, prompt, generation_config=gen_cfg,
-                              enable_thinking=args.think, chat=not args.raw, **overrides):
+    # the core generates whole blocks (as the reference does); --max-tokens counts tokens, as the
+    # server's max_tokens does: the answer shown is its first --max-tokens tokens
+    from dataclasses import replace
+
+    from .chat_template import parse_answer
+    from .sampler import max_tokens_cut
+
+    def within_max_tokens(tokens: tuple[int, ...], text: str, thinking: str) -> tuple[tuple[int, ...], str, str, bool]:
+        at = max_tokens_cut(tokens, params.max_new_tokens, params.pad_token_id)
+        if at == len(tokens):
+            return tokens, text, thinking, False
+        parsed = parse_answer(tokenizer.decode(list(tokens[:at])), strip=not args.raw)
+        return tokens[:at], parsed.answer, parsed.thinking, True
+
+    so_far: tuple[int, ...] = ()
+    for ev in flagged(stream_generate(runtime, prompt, generation_config=gen_cfg, enable_thinking=args.think,
+                                      chat=not args.raw, template=template, **overrides), overrides):
         if isinstance(ev, PrefillEvent) and not args.json:
             print(f"[prefill] {ev.tokens} tokens in {ev.seconds:.2f} s", file=sys.stderr)
         if isinstance(ev, StepEvent) and trace is not None:
@@ -327,18 +398,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         elif isinstance(ev, BlockEvent) and not args.json:
             if progress is not None:
                 progress.clear()
+            so_far += ev.tokens
+            text = within_max_tokens(so_far, ev.text, ev.thinking)[1]
             # a model can emit any byte: control characters are shown escaped, never sent raw
-            sys.stdout.write(printable(ev.text[printed:] if ev.text.startswith(ev.text[:printed])
-                                       else "\n" + ev.text))
+            sys.stdout.write(printable(text[printed:] if text.startswith(text[:printed]) else "\n" + text))
             sys.stdout.flush()
-            printed = len(ev.text)
+            printed = len(text)
         elif isinstance(ev, DoneEvent):
-            done = ev
+            tokens, text, thinking, cut = within_max_tokens(ev.tokens, ev.text, ev.thinking)
+            done = replace(ev, tokens=tokens, text=text, thinking=thinking, finish_reason="length") if cut else ev
     if progress is not None:
         progress.clear()
     assert done is not None
     if trace is not None:
-        trace.export_jsonl(args.trace, tokenizer.decode)
+        trace.export_jsonl(trace_out, tokenizer.decode)
     summary = {"finish_reason": done.finish_reason, "prompt_tokens": done.prompt_tokens,
                "prefill_tokens_per_second": round(done.prefill_tokens_per_second, 2),
                "steps": done.steps, "steps_per_block": list(done.steps_per_block),
@@ -367,16 +440,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    from .launch import need_terminal
     from .paths import resolve_model
+    from .tiers import check_precision_dtype  # no MLX
 
     # --model, else $MLX_DGEMMA_MODEL, checked before Textual and MLX load; neither: the app offers the demo
     model = resolve_model(args.model, args.demo, required=False)
+    check_precision_dtype(args.precision, args.dtype)  # a contradiction is an error before the app starts
+    need_terminal("chat")  # no terminal (a script, `< /dev/null`): refused before Textual's and MLX's imports
     with hold_interrupts():
         from mlx_dgemma.tui.app import run_app
 
-    from .precision import resolve_precision
-
-    resolve_precision(args.precision, args.dtype)  # a contradiction is an error before the app starts
     if args.system is not None:
         from .tokenizer import check_text
 
@@ -404,9 +478,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     if ranks:
         with rank_terminal("chat"):
             return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
-                           think=args.think, system=args.system)
+                           think=args.think, system=args.system, memory_limit=memory_limit(args))
     return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
-                   think=args.think, system=args.system)
+                   think=args.think, system=args.system, memory_limit=memory_limit(args))
 
 
 def _follow_chat(args: argparse.Namespace, precision: str) -> int:
@@ -425,7 +499,7 @@ def _follow_chat(args: argparse.Namespace, precision: str) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    run_follower(load_for_cli(args.model, args.demo, args.dtype, precision), "chat")
+    run_follower(load_for_cli(args.model, args.demo, args.dtype, precision, memory_limit(args)), "chat")
 
 
 CHAT_EPILOG = """\
@@ -463,6 +537,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # --model, else $MLX_DGEMMA_MODEL (checked here: a mistyped path fails before the server's imports)
     args.model = resolve_model(args.model, args.demo)
+    from .tiers import check_precision_dtype  # no MLX
+
+    check_precision_dtype(args.precision, args.dtype)
     with hold_interrupts():
         from .demo import DEMO_NOTICES
         from .server import check_args, main as serve_main
@@ -486,23 +563,39 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     # MODEL, else $MLX_DGEMMA_MODEL, checked; --demo: the demo's file, planned like any other
     args.model = resolve_model(args.model, args.demo, flag="MODEL") or str(demo_file("trained"))
 
-    with hold_interrupts():  # MLX and mlx-lm (transformers, torch): native inits that lose or abort on Ctrl+C
+    with hold_interrupts():  # MLX: a native init that loses or aborts on Ctrl+C
         from .loader import plan_model
-        from .plan import parse_size
 
-    limit = parse_size(args.memory_limit) if args.memory_limit else None
+    limit = memory_limit(args)
+    if args.machine is not None:
+        from .errors import ParameterError
+        from .machines import machine
+
+        if limit is not None:
+            raise ParameterError(f"--machine {args.machine} --memory-limit {args.memory_limit}: give one of them "
+                                 "(a Mac's budget is its GPU's default working set)")
+        if args.machine != "all":
+            machine(args.machine)  # a misspelt name fails before the model is read
+    if args.machine == "all":  # every preset: "which Mac, which form, which command"
+        from .loader import model_inventory
+        from .plan import machine_table, markdown_table
+
+        margs, inventory, stored = model_inventory(args.model)
+        rows = machine_table(args.model, margs, inventory, stored, args.context)
+        print(json.dumps(rows, indent=2) if args.json else "\n".join(markdown_table(rows)))
+        return 0 if any(r["auto"] for r in rows) else 1
     if args.ranks is None:  # this process's share under mlx.launch, else the whole model
-        plan = plan_model(args.model, limit, args.context)
+        plan = plan_model(args.model, limit, args.context, machine=args.machine)
     else:
         if not 1 <= args.ranks <= 64:
             from .errors import ParameterError
 
             raise ParameterError(f"--ranks {args.ranks}: must be a number of Macs (processes) in [1, 64]")
         # the ranks' shares differ by a vocabulary row at most: show the largest
-        plan = max((plan_model(args.model, limit, args.context, ranks=args.ranks, rank=r) for r in range(args.ranks)),
-                   key=lambda p: p.row("exact").needed_bytes)
+        plan = max((plan_model(args.model, limit, args.context, ranks=args.ranks, rank=r, machine=args.machine)
+                    for r in range(args.ranks)), key=lambda p: p.row("exact").needed_bytes)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else "\n".join(plan.table()))
-    return 0 if plan.best_fit() else 1  # a script can ask "does it fit?" (1: nothing does)
+    return 0 if plan.best_fit(plan.auto_candidates) else 1  # a script can ask "does it fit?" (1: nothing does)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -529,6 +622,10 @@ def add_model_commands(sub: argparse._SubParsersAction, command: str | None = No
     g.add_argument("--show-drafts", action="store_true", help="print each step's draft to stderr")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--trace", metavar="FILE", help="write every denoising step as JSON lines to FILE")
+    g.add_argument("--canvas-template", metavar="TEXT",
+                   help="fix the answer's first positions to TEXT's tokens, held by the denoiser; {{N}} in TEXT "
+                        "leaves N positions for the model (e.g. 'Name: {{4}}. Age: {{2}}.'), and so does "
+                        "everything after TEXT")
     add_precision_args(g)
     add_sampler_args(g)
     g.epilog = GENERATE_EPILOG
@@ -617,12 +714,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     c.add_argument("out_dir", help="output directory, created with its parents (must not exist unless --force)")
     from .tiers import TIER_HELP, TIERS
 
-    c.add_argument("--precision", choices=TIERS, default="exact",
-                   help="the weights' form on disk (default exact, bit for bit); a lossy one is smaller and is "
-                        "what a small Mac loads without ever holding the exact form: "
-                        + "; ".join(f"{k} = {v}" for k, v in TIER_HELP.items() if k != "exact"))
-    c.add_argument("--compact", action="store_const", dest="precision", const="fast",
-                   help="the same as --precision fast (its older name)")
+    form = c.add_mutually_exclusive_group()
+    form.add_argument("--precision", choices=(*TIERS, "auto"), default="exact",
+                      help="the weights' form on disk (default exact, bit for bit); a lossy one is smaller and is "
+                           "what a small Mac loads without ever holding the exact form: "
+                           + "; ".join(f"{k} = {v}" for k, v in TIER_HELP.items() if k != "exact")
+                           + "; auto = the most exact form that runs on this machine (or --machine, --memory-limit)")
+    form.add_argument("--compact", action="store_const", dest="precision", const="fast",
+                      help="the same as --precision fast (its older name)")
+    c.add_argument("--machine", metavar="NAME",
+                   help="the Mac the output is for (mac-24gb, ...; mlx-dgemma plan --help): said before writing "
+                        "when the form will not run there; --precision auto writes the most exact that does "
+                        "(default: this machine)")
+    c.add_argument("--memory-limit", metavar="SIZE", help="as --machine, for a memory budget (e.g. 17GB)")
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     c.add_argument("--verify", action="store_true", help="verify every tensor after converting")
     c.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GB)")
@@ -641,6 +745,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     pl.add_argument("--demo", action="store_true", help="plan the built-in demo model")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("--memory-limit", metavar="SIZE", help="compare with SIZE (e.g. 14GB) instead of this machine")
+    pl.add_argument("--machine", metavar="NAME",
+                    help="plan for a Mac instead of this machine: its GPU's default working set (mac-8gb ... "
+                         "mac-192gb, M5 variants mac-16gb-m5 ...; see mlx_dgemma/machines.py); all: the table "
+                         "of every preset (which Mac, which form, which command)")
     pl.add_argument("--context", type=int, default=None, help="tokens to reserve KV cache for (default 4096)")
     pl.add_argument("--ranks", type=int, default=None, metavar="N",
                     help="price one rank's share of the model split over N Macs (mlx.launch), before launching "
@@ -655,10 +763,59 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return p
 
 
+def _negative_number(word: str) -> bool:
+    """``word`` reads as a negative number (``-1``, ``-1e-300``, ``-inf``, ``-nan``)."""
+    if not word.startswith("-") or len(word) < 2:
+        return False
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def joined_negative_values(argv: list[str]) -> list[str]:
+    """``argv`` with each negative number that follows an option joined to it (``--flag=-inf``).
+
+    argparse reads a word that starts with '-' as an option unless it is a plain decimal:
+    ``--accept-probability -inf`` or ``-1e-300`` got "expected one argument" instead of the
+    option's own range check. Joined, the word is the option's value whatever it looks like
+    (an option that takes none then says so). Nothing after ``--`` changes."""
+    out: list[str] = []
+    for i, word in enumerate(argv):
+        if word == "--":
+            return out + argv[i:]
+        if out and _negative_number(word) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status. Its standard streams are checked and guarded first
+    (:mod:`mlx_dgemma.stdio`): a closed standard output is refused, a full one is a one-line
+    error, and a failing standard error never costs what goes to standard output."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        with standard_streams():
+            if stdout_closed():
+                command = next((a for a in argv if not a.startswith("-")), "")
+                print(f"mlx-dgemma{' ' + command if command else ''}: error: standard output is closed (>&-); what "
+                      "the command prints would be lost, or land in a file it opens: send it somewhere, e.g. "
+                      ">/dev/null", file=sys.stderr, flush=True)
+                return 2
+            return _run(argv)
+    except KeyboardInterrupt as e:  # in the instant before _run's own handler (it takes every later one)
+        if "--debug" in argv:
+            raise
+        print("mlx-dgemma: interrupted; nothing partial was kept", file=sys.stderr)
+        return 128 + e.signum if isinstance(e, Terminated) else 130
+
+
+def _run(argv: list[str]) -> int:
     """Run one command; its exit status. Errors a user can act on, and Ctrl+C at any moment
     (while the parser is built too), end in one line on stderr unless ``--debug``."""
-    argv = sys.argv[1:] if argv is None else argv
     args: argparse.Namespace | None = None
     try:
         with terminate_as_interrupt():  # SIGTERM/SIGHUP clean up like Ctrl+C (from the first moment)
@@ -667,12 +824,13 @@ def main(argv: list[str] | None = None) -> int:
             if not [a for a in argv if a != "--debug"]:  # bare `mlx-dgemma`: the help, "first time?" included
                 parser.print_help(sys.stderr)
                 return 2  # a usage error, as any missing argument is
-            args = parser.parse_args(argv)
+            args = parser.parse_args(joined_negative_values(argv))
+            check_platform(args.command)
             from .launch import quiet_other_ranks
 
             quiet_other_ranks()  # under mlx.launch rank 0 alone prints
             code = int(args.func(args) or 0)
-        sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at the interpreter's exit
+            sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at the interpreter's exit
         return code
     except DGemmaError as e:
         from .launch import launched
@@ -704,6 +862,24 @@ def main(argv: list[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
+
+
+# the commands that run a model on MLX's default device (a Mac's GPU)
+GPU_COMMANDS = ("generate", "chat", "serve", "bench")
+
+
+def check_platform(command: str) -> None:
+    """Refuse, in one line, a Python that cannot run MLX on this Mac (x86-64: Rosetta or an
+    Intel Mac; macOS before 14) and, for the commands that run a model, an MLX without Metal."""
+    from .errors import PlatformError
+    from .machines import metal_problem, platform_problem
+
+    problem = platform_problem()
+    if problem is None and command in GPU_COMMANDS and sys.platform == "darwin":
+        with hold_interrupts():  # mlx.core's native init (see hold_interrupts)
+            problem = metal_problem()
+    if problem is not None:
+        raise PlatformError(problem)
 
 
 def _who(args: argparse.Namespace | None) -> str:

@@ -238,14 +238,16 @@ def global_argmax(x: mx.array, lo: int, group: mx.distributed.Group) -> mx.array
 
 
 def sharded_sample_step(local: mx.array, temp: float | mx.array, bound: float, vocab_size: int, key: mx.array,
-                        lo: int, group: mx.distributed.Group) -> dict[str, mx.array]:
-    """``sampler.sample_step`` with the logits' vocabulary split across ranks.
+                        lo: int, group: mx.distributed.Group,
+                        fixed: tuple[mx.array, mx.array] | None = None) -> dict[str, mx.array]:
+    """``sampler.sample_step`` with the logits' vocabulary split across ranks (``fixed``: a
+    canvas template's positions, held as there).
 
     ``local`` holds ids ``lo .. lo + local.shape[-1]``. The draw uses the same Gumbel noise as
     ``mx.random.categorical`` on the full logits (each rank generates it whole and keeps its
     columns), so it picks the same token as one process given the same logits.
     """
-    from .sampler import accept_mask
+    from .sampler import accept_mask, fixed_logits
 
     k_draw, k_noise = mx.random.split(key)
     processed = local / temp
@@ -257,6 +259,10 @@ def sharded_sample_step(local: mx.array, temp: float | mx.array, bound: float, v
     logp = processed - (m + mx.log(s))
     p = mx.exp(logp)
     entropy = -mx.distributed.all_sum(mx.sum(mx.where(p > 0, p * logp, 0.0), axis=-1), group=group)
+    if fixed is not None:
+        draw, argmax = mx.where(fixed[0], fixed[1], draw), mx.where(fixed[0], fixed[1], argmax)
+        entropy = mx.where(fixed[0], 0.0, entropy)
+        processed = fixed_logits(processed, *fixed, lo=lo)
     accepted = accept_mask(entropy, bound)
     noise = mx.random.randint(0, vocab_size, draw.shape, key=k_noise)
     canvas = mx.where(accepted, draw, noise)

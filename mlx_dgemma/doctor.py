@@ -12,6 +12,13 @@ Cases: the trained demo model; one decoder layer at the published shapes (random
 seed, a short canvas); with a model path, that model's first layers. Where the default device
 is the CPU, both runs are on the CPU (the compiled step against the eager one): they must agree
 to float32 rounding, and the report says plainly that there is no GPU.
+
+On a Mac's GPU the checks run with float32 matmuls kept IEEE float32, as ``exact`` runs them
+(``MLX_ENABLE_TF32=0``, set before the first matmul: :mod:`mlx_dgemma.gpu`); the report says
+whether the GPU has NAX units (M5-class, macOS 26.2+), which would otherwise run them at
+reduced precision, and one more check (a float32 matmul against the CPU's) shows that they did
+not. ``--report FILE`` writes everything, with the machine and timings, as one JSON file a user
+attaches to an issue.
 """
 
 from __future__ import annotations
@@ -19,13 +26,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,6 +41,8 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import ModelFilesError, ParameterError, hold_interrupts
+from .gpu import TF32_ENV, device_nax, keep_float32_exact
+from .paths import OutputFile, check_output_file, open_output
 
 # --------------------------------------------------------------------------------------------
 # thresholds
@@ -122,6 +132,8 @@ class DeviceInfo:
     gpu: bool
     name: str
     mlx_version: str
+    architecture: str = ""  # Metal's, e.g. "applegpu_g17s" (MLX's device_info)
+    nax: bool = False  # the GPU's NAX units would run float32 matmuls at reduced precision (mlx_dgemma.gpu)
 
 
 def device_info() -> DeviceInfo:
@@ -132,7 +144,8 @@ def device_info() -> DeviceInfo:
         pass
     b = backend_name()
     name = str(info.get("device_name") or info.get("architecture") or "unknown")
-    return DeviceInfo("cpu" if b == "cpu" else "gpu", b, b != "cpu", name, mx.__version__)
+    return DeviceInfo("cpu" if b == "cpu" else "gpu", b, b != "cpu", name, mx.__version__,
+                      str(info.get("architecture", "")), b == "metal" and device_nax())
 
 
 @dataclass(frozen=True)
@@ -246,7 +259,8 @@ def precision_fit(path: Path, memory: MemoryInfo) -> Fit:
 # each check fails when the numbers are wrong, without a test-only branch.
 Perturb = Callable[[str, np.ndarray], np.ndarray]
 
-CHECK_NAMES = {"kv": "prefill KV cache", "logits": "denoiser logits", "argmax": "sampler argmax"}
+CHECK_NAMES = {"kv": "prefill KV cache", "logits": "denoiser logits", "argmax": "sampler argmax",
+               "matmul": "float32 matmul"}
 
 
 @dataclass(frozen=True)
@@ -268,6 +282,8 @@ class Check:
     ok: bool
     detail: str = ""
     provisional: bool = False  # the threshold is a derived bound, not yet measured (THRESHOLDS)
+    # MLX's CPU reference itself is NaN/Inf: the model's numbers (its weights), not the device
+    model_fault: bool = False
 
     @property
     def label(self) -> str:
@@ -301,16 +317,22 @@ def compare(case: str, precision: str, subject: RunOutputs, reference: RunOutput
     """The three checks of one case and precision: KV cache, logits, argmax at decisive positions."""
     p = perturb or (lambda _q, a: a)
     checks = []
+    # where the CPU reference is not finite, the device is not what failed: the model's weights
+    # (or its shapes) give NaN/Inf on any device, and the error against it means nothing
+    kv_fault = not all(np.isfinite(r).all() for r in reference.kv)
+    logits_fault = not np.isfinite(reference.logits).all()
+    fault_text = "MLX's CPU reference is NaN/Inf too"
     kv_errs = [relative_error(p("kv", s), r) for s, r in zip(subject.kv, reference.kv)]
     kv = max(kv_errs, default=0.0)
     if len(subject.kv) != len(reference.kv):
         kv = math.inf
     worst = int(np.argmax(kv_errs)) // 3 if kv_errs else 0  # keys, values, slot positions per layer
     prov = not tol.measured
-    checks.append(Check(case, precision, "kv", kv, tol.kv, kv <= tol.kv,
-                        f"worst in layer {worst}" if kv > 0 else "", prov))
+    checks.append(Check(case, precision, "kv", kv, tol.kv, kv <= tol.kv and not kv_fault,
+                        fault_text if kv_fault else f"worst in layer {worst}" if kv > 0 else "", prov, kv_fault))
     lg = relative_error(p("logits", subject.logits), reference.logits)
-    checks.append(Check(case, precision, "logits", lg, tol.logits, lg <= tol.logits, "", prov))
+    checks.append(Check(case, precision, "logits", lg, tol.logits, lg <= tol.logits and not logits_fault,
+                        fault_text if logits_fault else "", prov, logits_fault))
     dec = decisive_positions(reference.logits, tol.logits)
     sa, ra = p("argmax", subject.argmax), reference.argmax
     n = int(dec.sum())
@@ -318,9 +340,19 @@ def compare(case: str, precision: str, subject: RunOutputs, reference: RunOutput
     overall = float(np.mean(sa == ra)) if sa.shape == ra.shape else 0.0
     if sa.shape != ra.shape:
         agree = 0.0
-    checks.append(Check(case, precision, "argmax", agree, tol.argmax, agree >= tol.argmax,
-                        f"{n} of {ra.size} positions decisive; all positions agree {overall:.1%}", prov))
+    checks.append(Check(case, precision, "argmax", agree, tol.argmax, agree >= tol.argmax and not logits_fault,
+                        f"{fault_text + '; ' if logits_fault else ''}{n} of {ra.size} positions decisive; all "
+                        f"positions agree {overall:.1%}", prov, logits_fault))
     return checks
+
+
+def non_finite_weights(model: Any) -> list[str]:
+    """The names of ``model``'s floating-point parameters holding NaN or Inf (quantization
+    scales and biases included)."""
+    from mlx.utils import tree_flatten
+
+    return [k for k, a in tree_flatten(model.parameters())
+            if mx.issubdtype(a.dtype, mx.floating) and not mx.isfinite(a).all().item()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,6 +408,35 @@ def subject_and_reference(model: Any, inp: CaseInput, dtype: mx.Dtype, params: A
     with mx.stream(mx.cpu):
         reference = run_model(model, inp, dtype, params, compiled=False, sc_top_k=sc_top_k)
     return subject, reference
+
+
+# The float32 matmul check (Metal): M x K @ K x N takes MLX's regular GEMM (NAX where the GPU
+# has it; not split-K, not GEMV). Two IEEE float32 orders of K = 512 terms differ by ~sqrt(K) u
+# = 1.3e-6 (u = 2^-24); NAX's reduced precision (TF32-like, u = 2^-11) by ~5e-4: 1e-5 lies
+# between. Provisional: derived, not yet measured on a Mac.
+MATMUL_SHAPE = (256, 512, 256)
+MATMUL_TOLERANCE = 1e-5
+
+
+def matmul_check(perturb: Perturb | None = None) -> Check:
+    """A float32 matmul on the default device against MLX's CPU stream. It fails where float32
+    matmuls run at reduced precision (an M5-class GPU whose ``MLX_ENABLE_TF32`` MLX read as on,
+    before this process could turn it off): there ``exact`` is not exact."""
+    M, K, N = MATMUL_SHAPE
+    rng = np.random.default_rng(0)
+    a, b = (mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in ((M, K), (K, N)))
+    subject = a @ b
+    with mx.stream(mx.cpu):
+        reference = a @ b
+    mx.eval(subject, reference)
+    s = (perturb or (lambda _q, x: x))("matmul", np.array(subject))
+    err = relative_error(s, np.array(reference))
+    ok = err <= MATMUL_TOLERANCE
+    detail = f"{M}x{K} @ {K}x{N}" + ("" if ok else
+                                      f"; float32 matmuls run at reduced precision, so exact is not exact here: "
+                                      f"{TF32_ENV} was read as on before mlx-dgemma could set it to 0 (run "
+                                      f"mlx-dgemma in a fresh process, or start it with {TF32_ENV}=0)")
+    return Check("device", "exact (float32)", "matmul", err, MATMUL_TOLERANCE, ok, detail, provisional=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -472,6 +533,24 @@ def truncated_config(config: dict, layers: int) -> dict:
 # the report
 
 
+@dataclass(frozen=True)
+class Timing:
+    """One short answer, timed as a user's start would be (``--report``): the load in that
+    precision, then :func:`mlx_dgemma.generation.stream_generate` on a fixed prompt, seed 0."""
+
+    case: str
+    precision: str
+    load_seconds: float
+    prompt_tokens: int
+    prefill_tokens_per_second: float
+    steps: int
+    seconds_per_step: float
+    answer_tokens: int  # before the end-of-turn marker, padding left out
+    answer_tokens_per_second: float  # answer tokens / the denoising time
+    tokens_per_forward: float
+    peak_memory_bytes: int
+
+
 @dataclass
 class Report:
     device: DeviceInfo
@@ -480,6 +559,7 @@ class Report:
     fit: Fit | None
     checks: list[Check] = field(default_factory=list)
     seconds: float = 0.0
+    timings: list[Timing] = field(default_factory=list)  # --report only
 
     @property
     def failed(self) -> list[Check]:
@@ -515,6 +595,10 @@ class Report:
         if not d.gpu:
             out.append("               no GPU: MLX's default device is the CPU, so the checks compare the CPU "
                        "with itself (compiled vs eager step); a GPU's kernels were not checked")
+        if d.backend == "metal":
+            out.append(f"matmul units:  NAX ({d.architecture}, macOS 26.2+): float32 matmuls would run at "
+                       f"reduced precision; exact and these checks keep them float32 ({TF32_ENV}=0)" if d.nax else
+                       f"matmul units:  no NAX ({d.architecture or 'unknown'}): float32 matmuls are IEEE float32")
         out.append(f"memory:        {m.kind}: {'unknown' if m.bytes is None else _gb(m.bytes)}"
                    + (f" ({m.note})" if m.note else ""))
         out.append("kernel cache:  " + (f"{k.dir}: {k.files} files, {_gb(k.bytes)}; {k.note}" if k.applies
@@ -536,14 +620,26 @@ class Report:
             out.append(f"  {'ok  ' if c.ok else 'FAIL'} {c.label}: {v}" + (f"; {c.detail}" if c.detail else ""))
         if self.provisional:
             out.append("thresholds:    provisional (derived from rounding bounds, not yet measured on a good GPU)")
+        for t in self.timings:
+            out.append(f"timing:        {t.case}, {t.precision}: load {t.load_seconds:.2f} s, prefill "
+                       f"{t.prefill_tokens_per_second:.1f} tok/s, {t.seconds_per_step:.3f} s/step, "
+                       f"{t.answer_tokens_per_second:.1f} answer tok/s ({t.answer_tokens} tokens, {t.steps} steps)")
         if self.ok:
             out.append(f"result:        all {len(self.checks)} checks agree ({self.seconds:.1f} s)")
         else:
+            model = [c.label for c in self.failed if c.model_fault]
+            device = [c.label for c in self.failed if not c.model_fault]
+            verdicts = []
+            if model:
+                verdicts.append("; ".join(model) + ": the model gives NaN or Inf on MLX's CPU as well, so its "
+                                "weights are broken, not this device (mlx-dgemma verify DIR GGUF names the tensors "
+                                "of a converted directory; else download the model again)")
+            if device:
+                verdicts.append("; ".join(device) + ": this device computes the model wrongly at the failing "
+                                "precision: if only fast fails, run with --precision exact; either way, report "
+                                "this output (README: Checking your machine)")
             out.append(f"result:        {len(self.failed)} of {len(self.checks)} checks FAILED: "
-                       + "; ".join(c.label for c in self.failed)
-                       + ". This device computes the model wrongly at the failing precision: if only fast "
-                         "fails, run with --precision exact; either way, report this output "
-                         "(README: Checking your machine)")
+                       + ". ".join(verdicts))
         return out
 
 
@@ -598,9 +694,11 @@ class Progress:
 
 def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, precision: str = "auto",
                layers: int = DEFAULT_MODEL_LAYERS, perturb: Perturb | None = None,
-               progress: Progress | None = None) -> Report:
+               progress: Progress | None = None, timed: bool = False) -> Report:
     """Everything ``mlx-dgemma doctor`` reports. ``perturb`` corrupts the default device's results
-    before comparison (tests prove each check can fail); bad input raises before any work."""
+    before comparison (tests prove each check can fail); bad input raises before any work.
+    ``timed``: also time a short answer on the demo (and the model's first layers) in each
+    precision checked (:class:`Timing`, ``--report``)."""
     t0 = time.perf_counter()
     from .paths import check_model_path
     from .precision import apply_precision, resolve_precision
@@ -616,8 +714,10 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
     path = None
     if model_path is not None:
         path = check_model_path(model_path, "--model")  # a FIFO, a device or a link loop named as such
-    # held: usable_memory imports mlx-lm (transformers, torch), whose native inits lost or aborted on
-    # Ctrl+C; the rest reads a header at most
+    # exact's float32 stays IEEE on an M5-class GPU: set before the first matmul below (MLX reads it once)
+    keep_float32_exact()
+    # held: MLX's and the loader's imports (native inits lost or aborted on Ctrl+C); the rest reads
+    # a header at most
     with prog.phase("device, memory" + (", which precision fits" if path is not None else "")), hold_interrupts():
         dev = device_info()
         mem = usable_memory()
@@ -640,8 +740,12 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
             with prog.phase(f"{case}, {label}: prefill {len(ids)} tokens + one step of {C} on "
                             f"{'the GPU and ' if dev.gpu else ''}the CPU"):
                 subject, reference = subject_and_reference(model, inp, dtype, params, resolved.sc_top_k)
-            report.checks.extend(compare(case, label, subject, reference,
-                                         tolerance(dev.backend, _dtype_name(dtype)), perturb))
+            checks = compare(case, label, subject, reference, tolerance(dev.backend, _dtype_name(dtype)), perturb)
+            if any(c.model_fault for c in checks):  # name the weights at fault, where some are
+                bad = non_finite_weights(model)
+                named = f"; NaN/Inf in its weights: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}" if bad else ""
+                checks = [replace(c, detail=c.detail + named) if c.model_fault else c for c in checks]
+            report.checks.extend(checks)
 
     def demo(prec: str):
         from .loader import load_demo
@@ -649,6 +753,9 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
         runtime = load_demo(precision=prec)
         return runtime.model, runtime.tokenizer.encode(FIXED_PROMPT), runtime.generation_config
 
+    if dev.backend == "metal" and "exact" in precs:
+        with prog.phase("device: a float32 matmul on the GPU and the CPU"):
+            report.checks.append(matmul_check(perturb))
     if "demo" in cases:
         check_case("demo", demo, None)
     if "layer" in cases:
@@ -663,8 +770,133 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
 
         check_case(path.name.replace("{", "{{").replace("}", "}}") + " (first {layers} layers)", first,
                    MODEL_CANVAS)
+    if timed:
+        for prec in precs:
+            with prog.phase(f"timing: demo, {prec}: load, then an answer of up to {REPORT_DEMO_BLOCKS} blocks"):
+                report.timings.append(time_demo(prec))
+            if path is not None:
+                with prog.phase(f"timing: {path.name} (first {layers} layers), {prec}: load, then one block of "
+                                f"at most {REPORT_MODEL_STEPS} steps"):
+                    report.timings.append(time_first_layers(path, layers, prec))
     report.seconds = time.perf_counter() - t0
     return report
+
+
+# --------------------------------------------------------------------------------------------
+# timings (--report): what a user's start and answer cost on this machine
+
+REPORT_DEMO_BLOCKS = 2  # the demo's answer: up to 2 canvases (128 tokens), its own steps
+REPORT_MODEL_STEPS = 8  # a model's first layers: one canvas, at most 8 steps (its head is full size)
+
+
+def time_answer(case: str, runtime: Any, load_seconds: float, **params: Any) -> Timing:
+    """Answer :data:`FIXED_PROMPT` (seed 0) with ``runtime``; the answer's figures."""
+    from .events import DoneEvent
+    from .generation import stream_generate
+    from .sampler import SamplerParams
+
+    done = None
+    for ev in stream_generate(runtime, FIXED_PROMPT, seed=0, **params):
+        if isinstance(ev, DoneEvent):
+            done = ev
+    assert done is not None
+    p = SamplerParams.from_config(runtime.generation_config, **params)
+    answer = []
+    for t in done.tokens:
+        if t in p.eos_token_id:
+            break
+        if t != p.pad_token_id:
+            answer.append(t)
+    gen_s = done.generation_seconds
+    return Timing(case, runtime.precision.label, load_seconds, done.prompt_tokens, done.prefill_tokens_per_second,
+                  done.steps, done.seconds_per_step, len(answer), len(answer) / gen_s if gen_s > 0 else 0.0,
+                  done.tokens_per_forward, done.peak_memory_bytes)
+
+
+def time_demo(precision: str) -> Timing:
+    """The trained demo loaded in ``precision`` (as ``--demo`` loads it), then an answer."""
+    from .loader import load_demo
+
+    t0 = time.perf_counter()
+    runtime = load_demo(precision=precision)
+    load_s = time.perf_counter() - t0
+    return time_answer("demo", runtime, load_s, max_new_tokens=REPORT_DEMO_BLOCKS * runtime.model.args.canvas_length)
+
+
+def time_first_layers(path: Path, layers: int, precision: str) -> Timing:
+    """The first ``layers`` layers of the model at ``path`` (:func:`first_layers`) in ``precision``,
+    then one canvas of at most :data:`REPORT_MODEL_STEPS` steps (the text means nothing: the
+    figures are the point)."""
+    from .precision import resolve_precision
+    from .runtime import Runtime
+
+    t0 = time.perf_counter()
+    model, tok, gen = first_layers(path, layers, precision)
+    load_s = time.perf_counter() - t0
+    runtime = Runtime(model, tok, gen, resolve_precision(precision))
+    steps = min(REPORT_MODEL_STEPS, int(gen.get("max_denoising_steps", REPORT_MODEL_STEPS)))
+    return time_answer(f"{path.name} (first {model.args.num_hidden_layers} layers)", runtime, load_s,
+                       max_new_tokens=model.args.canvas_length, max_denoising_steps=steps)
+
+
+# --------------------------------------------------------------------------------------------
+# --report FILE: one JSON file a user attaches to an issue
+
+REPORT_FORMAT = 1  # raised when a field changes meaning
+
+
+def _chip() -> str:
+    """The processor's name: "Apple M5 Pro" on a Mac (sysctl), the CPU model elsewhere."""
+    if sys.platform == "darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  timeout=5, check=True).stdout.strip() or platform.processor()
+        except (OSError, subprocess.SubprocessError):
+            return platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                        platform.machine())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _ram() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - no sysconf
+        return None
+
+
+def machine(tf32_env: str | None = None) -> dict[str, Any]:
+    """The machine a report describes: chip, RAM, operating system, Python, MLX (and the
+    ``MLX_ENABLE_TF32`` the process was started with, ``tf32_env``)."""
+    from . import __version__
+
+    mac = platform.mac_ver()[0]
+    return {"chip": _chip(), "ram_bytes": _ram(), "os": f"macOS {mac}" if mac else platform.platform(),
+            "arch": platform.machine(), "cpus": os.cpu_count(),
+            "python": f"{platform.python_implementation()} {platform.python_version()}",
+            "mlx": mx.__version__, "mlx_dgemma": __version__, TF32_ENV: tf32_env}
+
+
+def report_document(report: Report, model_path: str | None, tf32_env: str | None) -> dict[str, Any]:
+    """What ``--report FILE`` holds: the machine, the plan for ``model_path`` (as ``mlx-dgemma
+    plan`` prints it), ``--json``'s report (device, memory, fit, checks) and the timings."""
+    plan = None
+    if model_path is not None:
+        from .loader import plan_model
+
+        plan = plan_model(model_path).to_dict()
+    return {"format": REPORT_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": machine(tf32_env), "plan": plan, **report.to_json(),
+            "timings": [asdict(t) for t in report.timings]}
+
+
+def write_report(out: OutputFile, document: dict[str, Any]) -> None:
+    """Write the report whole, or nothing (as every output file: :func:`mlx_dgemma.paths.open_output`)."""
+    with open_output(out) as f:
+        f.write(json.dumps(document, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -681,16 +913,31 @@ def add_args(p: Any) -> None:
                    help="skip the real-shapes layer (the slow case on a CPU: tens of seconds); the demo "
                         "and --model still run")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--report", metavar="FILE",
+                   help="also write one JSON file to attach to an issue: the machine (chip, RAM, macOS, Python, "
+                        "MLX), the plan for --model, the checks, and load time, prefill tok/s, s/step and answer "
+                        "tok/s on the demo (and on --model's first layers)")
 
 
 def main(args: Any, perturb: Perturb | None = None, out: TextIO | None = None) -> int:
-    """``mlx-dgemma doctor``: exit 0 when every check agrees, 1 when any fails (named)."""
+    """``mlx-dgemma doctor``: exit 0 when every check agrees, 1 when any fails (named).
+    ``--report FILE`` is written either way (a failing machine's report is the one wanted)."""
     out = out or sys.stdout
+    report_path = None
+    if getattr(args, "report", None) is not None:  # refused before any check: unwritable, empty, an input
+        from .demo import trained_demo_path
+
+        report_path = check_output_file(args.report, "--report", [args.model, trained_demo_path()],
+                                        example="doctor-report.json")
+    tf32_env = os.environ.get(TF32_ENV)  # as the user started the process (doctor sets it for exact)
     cases = ("demo",) if args.quick else CASES
     report = run_doctor(args.model, cases=cases, precision=args.precision, layers=args.layers, perturb=perturb,
-                        progress=Progress())
+                        progress=Progress(), timed=report_path is not None)
     if args.json:
         out.write(json.dumps(report.to_json()) + "\n")
     else:
         out.write("\n".join(report.lines()) + "\n")
+    if report_path is not None:
+        write_report(report_path, report_document(report, args.model, tf32_env))
+        print(f"[doctor] report written to {report_path.given}: attach it to your issue", file=sys.stderr)
     return report.exit_code

@@ -13,17 +13,19 @@ import math
 import numbers
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
+from .canvas import CanvasTemplate
 from .chat_template import ParsedAnswer, parse_answer, render_chat
 from .distributed import agree
 from .errors import MemoryBudgetError, NonFiniteError, ParameterError
 from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent
+from .gpu import memory_errors, wired_limit
 from .guards import duplicate_cut, empty_answer, loop_start, unconverged
 from .memory import check_fits, estimate, peak_memory_bytes, reset_peak_memory
 from .model import DEFAULT_PREFILL_CHUNK
@@ -47,7 +49,8 @@ class BlockResult:
 
 def denoise_block(step_fn: StepFunction, cache: KVCache, params: SamplerParams, key: mx.array, block: int = 1,
                   initial_canvas: mx.array | None = None,
-                  logprobs: int | None = None) -> Iterator[StepEvent | BlockResult]:
+                  logprobs: int | None = None,
+                  fixed: list[tuple[int, int]] | None = None) -> Iterator[StepEvent | BlockResult]:
     """Denoise one canvas against ``cache`` with ``step_fn`` (the compiled step: model, dtype and
     the traced sampler fields) under ``params`` (this answer's: steps, temperatures): yields a
     StepEvent per step, then a BlockResult. ``block`` is the block's number, counted from 1 (as
@@ -59,11 +62,21 @@ def denoise_block(step_fn: StepFunction, cache: KVCache, params: SamplerParams, 
     stopping step, from that step's logits (the model's distribution at temperature 1, recovered
     from the step's own temperature-scaled output, so the compiled step is the same with or
     without them).
+
+    ``fixed``: (position, token) pairs of a canvas template (:mod:`mlx_dgemma.canvas`): the
+    canvas starts with them and every step holds them; none (the default) is the reference path.
     """
     C, V = step_fn.model.args.canvas_length, step_fn.model.args.vocab_size
     key, k0 = mx.random.split(key)
     canvas = initial_canvas if initial_canvas is not None else \
         mx.random.randint(0, V, (1, C), key=k0).astype(mx.int32)
+    held = None
+    if fixed:
+        mask_np, tokens_np = np.zeros((1, C), dtype=bool), np.zeros((1, C), dtype=np.int32)
+        for pos, tok in fixed:
+            mask_np[0, pos], tokens_np[0, pos] = True, tok
+        held = (mx.array(mask_np), mx.array(tokens_np))
+        canvas = mx.where(held[0], held[1], canvas)
     history = step_fn.initial_history((1, C))
     revealed = None  # the confidence-threshold mode's revealed canvas (the step starts it)
     sc_logits = None
@@ -73,7 +86,7 @@ def denoise_block(step_fn: StepFunction, cache: KVCache, params: SamplerParams, 
         t0 = time.perf_counter()
         key, sub = mx.random.split(key)
         temp = temperature(left, params)
-        out = step_fn(canvas, sc_logits, temp, sub, history, cache, revealed)
+        out = step_fn(canvas, sc_logits, temp, sub, history, cache, revealed, held)
         mx.eval(out["canvas"], out["argmax"], out["accepted"], out["entropy"], out["processed"], out["stop"],
                 out["history"], out["finite"], out["revealed"])
         if not out["finite"].item():
@@ -200,7 +213,7 @@ def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[
                     enable_thinking: bool = False, chat: bool = True,
                     cancel: Callable[[], bool] | None = None,
                     prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK, logprobs: int | None = None,
-                    **params: Any) -> Iterator[Event]:
+                    template: CanvasTemplate | list | None = None, **params: Any) -> Iterator[Event]:
     """Generate an answer; yields PrefillProgressEvents (one per prefill chunk of
     ``prefill_chunk_size`` tokens, when the prompt spans several), a PrefillEvent, StepEvents,
     BlockEvents, then a DoneEvent.
@@ -219,6 +232,9 @@ def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[
     ``logprobs`` (an integer k >= 0; None, the default, costs nothing): each BlockEvent carries
     its tokens' log-probabilities and the k most likely tokens per position, under the
     distribution of the step that committed the block (its logits at temperature 1).
+
+    ``template`` (a :class:`~mlx_dgemma.canvas.CanvasTemplate`, or its (position, token) pairs):
+    positions of the answer fixed to given tokens, held by the denoiser; the rest is denoised.
     """
     check_runtime(runtime, "stream_generate", mlx_lm_args)  # (model, tokenizer, prompt) gets a one-line why
     tokenizer = runtime.tokenizer
@@ -237,7 +253,8 @@ def stream_generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[
         raise ParameterError("prompt: no tokens; give some text")
     # a raw text prompt is continued: its answer keeps the whitespace a chat answer's loses
     yield from _run(runtime, runtime.model.make_cache(), ids, p, dtype, cancel, history_len=0,
-                    chunk_size=prefill_chunk_size, logprobs=logprobs, strip=not (isinstance(prompt, str) and not chat))
+                    chunk_size=prefill_chunk_size, logprobs=logprobs, strip=not (isinstance(prompt, str) and not chat),
+                    template=CanvasTemplate.of(template))
 
 
 def _token_ids(prompt: Any) -> list[int]:
@@ -258,11 +275,18 @@ def _token_ids(prompt: Any) -> list[int]:
                          param="prompt")
 
 
-def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
-         dtype: mx.Dtype | None, cancel: Callable[[], bool] | None, history_len: int,
-         chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
-         checkpoint: tuple[int, Callable[[], None]] | None = None, logprobs: int | None = None,
-         strip: bool = True) -> Iterator[Event]:
+def _run(runtime: Runtime, *args: Any, **kwargs: Any) -> Iterator[Event]:
+    """:func:`_answer` on this thread under MLX's wired limit on a Mac's GPU (as mlx-lm
+    generates), a GPU out of memory raised as :class:`MemoryBudgetError` (``mlx_dgemma.gpu``)."""
+    with wired_limit(runtime.model), memory_errors("generation"):
+        yield from _answer(runtime, *args, **kwargs)
+
+
+def _answer(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
+            dtype: mx.Dtype | None, cancel: Callable[[], bool] | None, history_len: int,
+            chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
+            checkpoint: tuple[int, Callable[[], None]] | None = None, logprobs: int | None = None,
+            strip: bool = True, template: CanvasTemplate | None = None) -> Iterator[Event]:
     """Prefill ``ids`` into ``cache`` (in chunks) and generate. ``checkpoint`` (k, call): call
     ``call()`` once the first k of ``ids`` are encoded (a chat session returns there later).
     ``strip``: strip the answer's surrounding whitespace (a chat answer; not a raw continuation)."""
@@ -272,9 +296,11 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
     limit = model.args.max_position_embeddings
     if history_len + len(ids) + n_blocks * C > limit:
         raise ParameterError(f"prompt: {history_len + len(ids)} tokens plus {n_blocks} block(s) of {C} exceed "
-                             f"the context of {limit}; shorten the prompt or max_new_tokens")
+                             f"the context of {limit}; shorten the prompt or max_new_tokens", param="max_new_tokens")
     if max(ids) >= model.args.vocab_size or min(ids) < 0:
         raise ParameterError(f"prompt: token ids must be in [0, {model.args.vocab_size})")
+    if template is not None:
+        template.check(model.args.vocab_size, n_blocks * C)
     if chunk_size is not None and chunk_size < 1:
         raise ParameterError(f"prefill_chunk_size: {chunk_size}; expected a positive number of tokens")
     if logprobs is not None:
@@ -287,8 +313,11 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
     dtype = dtype or runtime.activation_dtype  # the runtime precision's
     group = runtime.group
     try:
+        # --memory-limit, when given, is this check's budget too (the plan's): one budget
+        available, budget = runtime.prompt_budget(cache.nbytes)
         check_fits(estimate(runtime.rank_args, len(ids), cached_tokens=history_len, new_blocks=n_blocks,
-                            chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids))
+                            chunk_size=chunk_size, existing_kv_bytes=cache.nbytes, dtype=dtype), len(ids),
+                   available, budget)
     except MemoryBudgetError as e:
         if group is None:
             raise
@@ -329,10 +358,11 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
     for b in range(n_blocks):
         key, sub = mx.random.split(key)
         result: BlockResult | None = None
+        fixed = template.block(b, C) if template is not None else None
         attempt, rerolled, empty_left = 0, False, p.empty_rerolls if b == 0 else 0
         while True:
             attempt += 1
-            result, last, tally = yield from _attempt(step_fn, cache, p, sub, b + 1, attempt, cancel, logprobs)
+            result, last, tally = yield from _attempt(step_fn, cache, p, sub, b + 1, attempt, cancel, logprobs, fixed)
             steps += tally[0]
             step_seconds += tally[1]
             if result is None:
@@ -395,14 +425,14 @@ def _run(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
 
 
 def _attempt(step_fn: StepFunction, cache: KVCache, p: SamplerParams, key: mx.array, block: int, attempt: int,
-             cancel: Callable[[], bool] | None, logprobs: int | None
+             cancel: Callable[[], bool] | None, logprobs: int | None, fixed: list[tuple[int, int]] | None = None
              ) -> Generator[StepEvent, None, tuple[BlockResult | None, StepEvent | None, tuple[int, float]]]:
     """One denoising of block ``block``: yields its StepEvents (``attempt`` > 1: a guard's
     re-roll), returns (its BlockResult, None if ``cancel`` stopped it; its last StepEvent;
     (decoder passes, their seconds))."""
     last: StepEvent | None = None
     n, seconds = 0, 0.0
-    for ev in denoise_block(step_fn, cache, p, key, block=block, logprobs=logprobs):
+    for ev in denoise_block(step_fn, cache, p, key, block=block, logprobs=logprobs, fixed=fixed):
         if isinstance(ev, BlockResult):
             return ev, last, (n, seconds)
         if attempt > 1:

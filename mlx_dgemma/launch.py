@@ -62,6 +62,23 @@ def quiet_other_ranks() -> None:
         sys.stderr = _ErrorLines(sys.stderr, rank)
 
 
+def need_terminal(command: str = "chat") -> None:
+    """Refuse, in one line, to start a full-screen app without a terminal: Textual reads the keys
+    from stdin and draws on stderr, so with either redirected (a script, cron, ``< /dev/null``)
+    the app drew escape codes into a file and waited for keys that never came. Standard library
+    only: the command line asks before Textual's and MLX's imports (they took 5-14 s before this
+    answer). Under ``mlx.launch`` rank 0's keys arrive through the launcher's pipe
+    (:func:`rank_terminal` checks that terminal)."""
+    from .errors import ParameterError
+
+    if launched():
+        return
+    for name, stream in (("standard input", sys.__stdin__), ("standard error", sys.__stderr__)):
+        if stream is None or not stream.isatty():
+            raise ParameterError(f"the {command} app needs a terminal and {name} is not one; run it in a terminal, "
+                                 "or from a script use `mlx-dgemma generate --prompt TEXT` (or `serve`)")
+
+
 # What leaves a full-screen app's terminal modes, written when rank 0's terminal is handed
 # back (harmless when the app already did): mouse reports, bracketed paste, the kitty keyboard
 # protocol and focus reports off; the cursor shown. Not the alternate screen's exit: the app

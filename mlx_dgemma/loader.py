@@ -16,6 +16,7 @@ import numpy as np
 
 from .distributed import load_sharded_weights, world
 from .errors import ModelFilesError, ParameterError
+from .gpu import memory_errors
 from .model import DiffusionGemma, ModelArgs
 from .paths import check_model_choice, check_model_path, resolve_model, user_path  # noqa: F401 (re-exported)
 from .precision import Precision, apply_precision, check_loadable, resolve_precision, stored_precision
@@ -101,6 +102,7 @@ def load_gguf(path: Path, precision: Precision | str = "exact",
             model.shard(group)
         mx.eval(model.parameters())
         apply_precision(model, prec, config["quantization"])
+        mx.clear_cache()  # the conversion's temporaries: see apply_precision
         side = {"generation_config": source.generation_config, "tokenizer": source.tokenizer}
         if source.chat_template is not None:
             side["chat_template"] = source.chat_template
@@ -137,10 +139,11 @@ def model_inventory(path: str | Path) -> tuple[ModelArgs, list, str]:
 
 
 def plan_model(path: str | Path, memory_limit: int | None = None, context_tokens: int | None = None,
-               ranks: int | None = None, rank: int | None = None):
+               ranks: int | None = None, rank: int | None = None, machine: str | None = None):
     """The memory plan (:class:`mlx_dgemma.plan.Plan`) of a model, before loading it: of the
     whole model, or of rank ``rank``'s share over ``ranks`` (default: this process's launched
-    group, ``mlx.launch``; one process has no share)."""
+    group, ``mlx.launch``; one process has no share); against ``memory_limit`` bytes, else the
+    Mac preset ``machine`` (:mod:`mlx_dgemma.machines`), else this device."""
     from .plan import DEFAULT_CONTEXT, make_plan
 
     group = world() if ranks is None else None
@@ -148,9 +151,21 @@ def plan_model(path: str | Path, memory_limit: int | None = None, context_tokens
     rank = (group.rank() if group is not None else 0) if rank is None else rank
     args, inventory, stored = model_inventory(path)
     return make_plan(str(path), args, inventory, stored, context_tokens=context_tokens or DEFAULT_CONTEXT,
-                     memory_limit=memory_limit, ranks=ranks, rank=rank)
+                     memory_limit=memory_limit, ranks=ranks, rank=rank, machine=machine,
+                     gguf=None if stored == "gguf" else converted_from(path))
 
 
+def converted_from(path: str | Path) -> str | None:
+    """The .gguf a converted directory was made from, as its config.json names it, or None."""
+    try:
+        config = json.loads((user_path(path) / "config.json").read_text())
+        source = (config.get("mlx_dgemma") or {}).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, str) and source.endswith(".gguf") else None
+
+
+@memory_errors("loading the model")  # a GPU out of memory: the one-line budget error
 def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.Dtype | None = None,
          progress: Callable[[int, int, str], None] | None = None,
          memory_limit: int | None = None) -> Runtime:
@@ -196,7 +211,7 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
         gen = side["generation_config"]
     else:  # pragma: no cover - check_model_path lets only directories and regular files through
         raise ModelFilesError(f"{p}: not a file or directory")
-    return Runtime(model, tokenizer, gen, prec)
+    return Runtime(model, tokenizer, gen, prec, memory_limit=memory_limit)
 
 
 def load_demo(dtype: mx.Dtype | str | None = None, kind: str = "trained", precision: str | Precision = "auto",
@@ -234,11 +249,11 @@ def open_model(model: str | None, demo: bool, precision: str = "auto", dtype: st
     from mlx_dgemma.precision import resolve_precision
 
     try:
-        prec = resolve_precision(precision, dtype)
+        resolve_precision(precision, dtype)  # a bad precision or dtype is refused before the load
         path = resolve_model(model, demo)
         agree_startup()  # every rank found its model: load
-        if demo:
-            loaded = load_demo(precision=prec, memory_limit=memory_limit)
+        if demo:  # auto planned like any model's (resolving it first settled it as fast)
+            loaded = load_demo(dtype=dtype, precision=precision, memory_limit=memory_limit)
         else:
             loaded = load(path, precision=precision, dtype=dtype, progress=progress, memory_limit=memory_limit)
     except DGemmaError as e:

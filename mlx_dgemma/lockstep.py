@@ -150,15 +150,20 @@ class ModelRuntime:
 
     def _seeded(self, op: dict[str, Any]) -> dict[str, Any]:
         """``op`` with a seed where it would have none: every rank must draw the same noise."""
+        from dataclasses import fields
+
         from .sampler import SamplerParams
 
         params = op["params"]
+        # the sampler's own fields only: the others (logprobs, template) are stream_generate's
+        sampler = {f.name for f in fields(SamplerParams)}
+        params_in = {k: v for k, v in params.items() if k in sampler}
         try:
             if op["op"] == "generate":
-                seed = SamplerParams.from_config(self.generation_config, **params).seed
+                seed = SamplerParams.from_config(self.generation_config, **params_in).seed
             else:
                 seed = (self.session.params if self.session is not None
-                        else SamplerParams.from_config(self.generation_config)).with_overrides(**params).seed
+                        else SamplerParams.from_config(self.generation_config)).with_overrides(**params_in).seed
         except DGemmaError:
             return op  # every rank raises the same error when it runs
         if seed is None:

@@ -12,23 +12,21 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchLinear
 
 from .cache import KVCache, LayerCache
 from .distributed import Range, Split, even, global_softmax_stats, shard_module, vocab_range
 from .errors import ParameterError
 from .quantized import FloatEmbedding
-from .schema import ModelArgs
+from .schema import ATTENTION_SCORES_BUDGET, DEFAULT_PREFILL_CHUNK, ModelArgs
+from .switch_layers import SwitchLinear, gather_sort, scatter_unsort
 
 # Token-expert pairs at or above this count are sorted by expert before gather_qmm.
 _SORT_THRESHOLD = 64
 
-# Prompt tokens per encoder pass. Measured on `medium` (benchmarks/prefill.py, RESULTS.md):
-# throughput is flat from 256 to 1024 tokens and the working memory grows with the chunk.
-DEFAULT_PREFILL_CHUNK = 512
-# Upper bound on one attention call's float32 scores during prefill: longer contexts split
-# the chunk's queries so the global layer's working memory stays flat as the cache grows.
-ATTENTION_SCORES_BUDGET = 64 << 20
+# Entries per chunk of top_k_indices' first stage: 2,048 is the longest row MLX's Metal sort
+# handles in one threadgroup (512 threads x 4); a longer row (the vocabulary, 262,144) goes to
+# its multi-block merge sort, which argpartition falls back to on Metal and CUDA.
+TOP_K_CHUNK = 2048
 
 
 def _gelu(x: mx.array) -> mx.array:
@@ -36,25 +34,33 @@ def _gelu(x: mx.array) -> mx.array:
     return nn.gelu_approx(x)
 
 
-# _gather_sort and _scatter_unsort: copied from mlx-lm 0.32.2, mlx_lm/models/switch_layers.py
-# (MIT License, Copyright (c) 2023 Apple Inc.), unchanged but for type hints and docstrings,
-# because they are private there and may change or go without notice.
-def _gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Rows of ``x`` repeated per chosen expert and sorted by expert id, the sorted ids, and the
-    permutation that undoes the sort (``_scatter_unsort``)."""
-    *_, M = indices.shape
-    indices = indices.flatten()
-    order = mx.argsort(indices)
-    inv_order = mx.argsort(order)
-    return x.flatten(0, -3)[order // M], indices[order], inv_order
+def top_k_indices(x: mx.array, k: int, chunk: int | None = None) -> mx.array:
+    """Indices [..., k] of the ``k`` largest entries of each row of ``x`` (last axis), in no
+    particular order: the set ``mx.argpartition(-x, k - 1)[..., :k]`` selects (ties aside).
 
-
-def _scatter_unsort(x: mx.array, inv_order: mx.array, shape: tuple[int, ...] | None = None) -> mx.array:
-    """Undo ``_gather_sort``: back to token order, unflattened to ``shape`` along axis 0."""
-    x = x[inv_order]
-    if shape is not None:
-        x = mx.unflatten(x, 0, shape)
-    return x
+    MLX's Metal and CUDA backends run ``argpartition`` as a full sort of the row: over the
+    vocabulary (256 x 262,144 probabilities per step) a multi-block merge sort holding two
+    copies of the values and two of the indices (about 1.3 GB in all with its output). A row
+    that splits into at least four whole chunks is taken in two stages instead: the top ``k``
+    of each ``chunk`` entries (a sort that fits one threadgroup), then the top ``k`` of those
+    candidates. Every one of the row's top ``k`` is among its own chunk's top ``k``, so the set is
+    the same; the largest transient is the first stage's index array (one copy of ``x``'s size).
+    Other rows (a small vocabulary, ``k`` above a quarter of a chunk) take one ``argpartition``.
+    ``chunk``: default :data:`TOP_K_CHUNK`. ``benchmarks/sc_select.py`` measures both ways
+    (benchmarks/RESULTS.md).
+    """
+    chunk = chunk or TOP_K_CHUNK
+    V = x.shape[-1]
+    n = V // chunk
+    if V % chunk or n < 4 or k > chunk // 4:
+        return mx.argpartition(-x, kth=k - 1, axis=-1)[..., :k]
+    lead = x.shape[:-1]
+    chunks = x.reshape(*lead, n, chunk)
+    local = mx.argpartition(chunks, kth=chunk - k, axis=-1)[..., chunk - k:]  # [..., n, k] each chunk's top k
+    cand = mx.take_along_axis(chunks, local, axis=-1).reshape(*lead, n * k)
+    ids = (local + (mx.arange(n, dtype=local.dtype) * chunk)[:, None]).reshape(*lead, n * k)
+    best = mx.argpartition(cand, kth=n * k - k, axis=-1)[..., n * k - k:]  # [..., k] the row's top k
+    return mx.take_along_axis(ids, best, axis=-1)
 
 
 def rms_norm(x: mx.array, eps: float) -> mx.array:
@@ -218,11 +224,11 @@ class Experts(nn.Module):
         inv = None
         ids = idx
         if do_sort:
-            x, ids, inv = _gather_sort(x, idx)
+            x, ids, inv = gather_sort(x, idx)
         gu = self.gate_up_proj(x, ids, sorted_indices=do_sort)  # [., 1, 2I]
         y = self.down_proj(self.gated(gu), ids, sorted_indices=do_sort)  # [., 1, H]
         if do_sort:
-            y = _scatter_unsort(y, inv, idx.shape)  # [N, K, 1, H]
+            y = scatter_unsort(y, inv, idx.shape)  # [N, K, 1, H]
         y = y.squeeze(-2)  # [N, K, H]
         y = (y * weights.reshape(-1, weights.shape[-1], 1).astype(y.dtype)).sum(axis=-2)
         return y.reshape(shape)
@@ -458,7 +464,7 @@ class DiffusionGemma(nn.Module):
         if top_k is None:
             soft = self.embed_tokens.soft_lookup(probs.astype(dtype))
         else:
-            idx = mx.argpartition(-probs, kth=top_k - 1, axis=-1)[..., :top_k]  # [B, C, k]
+            idx = top_k_indices(probs, top_k)  # [B, C, k]
             p = mx.take_along_axis(probs, idx, axis=-1)
             p = p / p.sum(axis=-1, keepdims=True)
             rows = self.embed_tokens(idx).astype(dtype)  # [B, C, k, H]
@@ -477,7 +483,7 @@ class DiffusionGemma(nn.Module):
         k = min(top_k, self.args.vocab_size // g.size())  # the same on every rank (all_gather needs it)
         if k * g.size() < top_k:
             raise ParameterError(f"sc_top_k = {top_k}: at most {k * g.size()} with {g.size()} ranks")
-        idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]  # [B, C, k] this rank's best
+        idx = top_k_indices(probs, k)  # [B, C, k] this rank's best
         p = mx.take_along_axis(probs, idx, axis=-1)
         cand_p = mx.distributed.all_gather(p[None], group=g)  # [R, B, C, k]
         cand_i = mx.distributed.all_gather((idx + lo)[None], group=g)

@@ -10,7 +10,16 @@ or a user's ``--memory-limit``.
 
 ``auto`` picks the most exact form that fits, starting at ``fast`` (``exact``'s float32 is for
 verification and parity, not for running); a precision that does not fit is refused before any
-weight is read, with one line naming what would fit.
+weight is read, with one line naming what would fit and the command that makes it: a lossier
+precision, or a form to convert the GGUF to (a tier made at load from an exact directory holds
+the exact form first, so a small Mac needs the tier converted). On a Mac, when no form fits the
+default GPU limit but one would below :func:`mlx_dgemma.machines.max_wired_limit_bytes`, it
+also gives the ``sysctl`` that raises the limit, and its risk.
+
+The budget is one of: ``--memory-limit`` (the one budget: the plan's and every prompt's, see
+:mod:`mlx_dgemma.memory`), a Mac preset (``--machine``, :mod:`mlx_dgemma.machines`), or this
+device's (:func:`mlx_dgemma.memory.device_budget`). The pricing imports no MLX unless it asks
+the device (the converter plans too, where MLX is not imported).
 
 Under ``mlx.launch`` (or ``plan --ranks N``) a plan prices one rank's share: each sharded
 tensor cut to its slice by the model's own ``shard_plan`` (:class:`mlx_dgemma.distributed.Split`),
@@ -25,16 +34,53 @@ import math
 import re
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
 
-from .distributed import Split, param_slices
 from .errors import DGemmaError, MemoryBudgetError, ParameterError
+from .machines import MACHINES, GiB, Machine, MiB
 from .memory import device_budget, estimate, gb
 from .schema import ModelArgs
 from .tiers import TIER_HELP, TIERS, TensorInfo, weight_bytes
 
+if TYPE_CHECKING:
+    from .distributed import Split
+
 DEFAULT_CONTEXT = 4096  # tokens the plan reserves KV cache for (prompt, history and answer)
 AUTO_ORDER = ("fast", "q4", "q3")  # what auto tries, most exact first
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a plan compares with: ``bytes``, where they come from (``label``), the Mac they
+    describe (a preset or this Mac: its RAM bounds the GPU-limit hint; None elsewhere), and
+    whether the lossy precisions run on a GPU (bfloat16 activations) or MLX's CPU (float32)."""
+
+    bytes: int
+    label: str
+    machine: Machine | None = None
+    gpu: bool = True
+
+
+def machine_budget(m: Machine) -> Budget:
+    """A Mac's default budget: Metal's working set (a Mac runs on its GPU)."""
+    return Budget(m.working_set_bytes, m.label, m, True)
+
+
+def offline_budget(memory_limit: int | None = None, machine: Machine | None = None) -> Budget:
+    """The budget without MLX (the converter's: it never imports MLX): ``memory_limit``, else
+    the preset ``machine``, else this machine: on a Mac its default working set (read from
+    ``sysctl``: :func:`mlx_dgemma.machines.this_mac`), elsewhere available RAM."""
+    from .machines import this_mac
+    from .memory import system_available_bytes
+
+    if memory_limit is not None:
+        return Budget(memory_limit, "--memory-limit", None, sys.platform == "darwin")
+    machine = machine or this_mac()
+    if machine is not None:
+        return machine_budget(machine)
+    avail = system_available_bytes()
+    return Budget(avail if avail is not None else 1 << 62, "this machine's available RAM", None, False)
 
 
 @dataclass(frozen=True)
@@ -51,8 +97,14 @@ class PlanRow:
     split_refused: bool = False  # several ranks: quantized whole before the split, whose groups it would cut
 
     @property
+    def resident_bytes(self) -> int:
+        """Once loaded: the weights, the KV cache and a step's working memory. What a directory
+        converted to this precision needs (it loads without holding another form first)."""
+        return self.weights_bytes + self.kv_bytes + self.working_bytes
+
+    @property
     def needed_bytes(self) -> int:
-        return max(self.weights_bytes + self.kv_bytes + self.working_bytes, self.load_peak_bytes)
+        return max(self.resident_bytes, self.load_peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -67,6 +119,8 @@ class Plan:
     rows: tuple[PlanRow, ...]
     ranks: int = 1  # the figures are rank ``rank``'s share of a model split over ``ranks`` (mlx.launch)
     rank: int = 0
+    machine: Machine | None = None  # the Mac the budget describes (a preset or this Mac), else None
+    gguf: str | None = None  # the .gguf to convert from (the model itself, or the one its directory names)
 
     def row(self, precision: str) -> PlanRow:
         return next(r for r in self.rows if r.precision == precision)
@@ -75,16 +129,22 @@ class Plan:
         """The most exact of ``candidates`` that is loadable and fits, or None."""
         return next((r.precision for r in self.rows if r.precision in candidates and r.loadable and r.fits), None)
 
+    def best_form(self, candidates: tuple[str, ...] = AUTO_ORDER) -> str | None:
+        """The most exact of ``candidates`` that fits once converted to it (its resident bytes:
+        no other form held while loading), or None: what ``convert --precision auto`` writes."""
+        return next((r.precision for r in self.rows if r.precision in candidates
+                     and r.resident_bytes <= self.available_bytes), None)
+
     def choose(self, requested: str) -> str:
         """The precision to load: ``requested``, or for ``auto`` the most exact that fits.
         Raises :class:`MemoryBudgetError` (one line) when it does not fit."""
         if requested == "auto":
-            stored = self.stored if self.stored in AUTO_ORDER else "fast"
-            choice = self.best_fit(AUTO_ORDER[AUTO_ORDER.index(stored):])
+            choice = self.best_fit(self.auto_candidates)
             if choice is None:
+                stored = self.auto_candidates[0]
                 if self.row(stored).split_refused:
                     raise ParameterError(self.split_refusal(stored))
-                raise MemoryBudgetError(self.refusal(stored))
+                raise MemoryBudgetError(self.refusal("auto"))
             return choice
         row = self.row(requested)
         if row.split_refused:
@@ -93,22 +153,83 @@ class Plan:
             raise MemoryBudgetError(self.refusal(requested))
         return requested
 
-    def refusal(self, precision: str) -> str:
-        """One line: what ``precision`` needs against what is available, what would fit, and
-        on macOS how to raise the GPU's limit (and its risk)."""
+    @property
+    def auto_candidates(self) -> tuple[str, ...]:
+        """What ``auto`` tries: ``AUTO_ORDER`` from the stored form on (a directory's form is
+        never made more exact)."""
+        stored = self.stored if self.stored in AUTO_ORDER else "fast"
+        return AUTO_ORDER[AUTO_ORDER.index(stored):]
+
+    def convert_command(self, precision: str) -> str:
+        """The command that writes ``precision``'s form: from this .gguf, or the one this
+        directory was converted from (config.json names it), to a directory beside it."""
+        src = self.gguf or "FILE.gguf"
+        if self.stored != "gguf":
+            return f"mlx-dgemma convert {src} {self.model.rstrip('/')}-{precision} --precision {precision}"
+        if precision == "exact":  # convert's default, to the directory README names
+            return f"mlx-dgemma convert {src} ~/models/dgemma"
+        return f"mlx-dgemma convert {src} ~/models/dgemma-{precision} --precision {precision}"
+
+    def wired_hint(self, precision: str) -> str | None:
+        """On a Mac, the ``sysctl`` that raises the GPU's limit so ``precision`` fits (converted
+        once to its form, unless this is that form: a .gguf or another form re-quantizes at every
+        start, and a tier made from an exact directory holds the exact form first), with its
+        risk; None when the Mac's safe ceiling (:func:`mlx_dgemma.machines.max_wired_limit_bytes`)
+        would not do."""
+        m = self.machine
+        if m is None:
+            return None
         r = self.row(precision)
-        fit = self.best_fit(tuple(p for p in TIERS if TIERS.index(p) > TIERS.index(precision)))
-        what = (f"--precision {fit} fits ({gb(self.row(fit).needed_bytes)})" if fit is not None
-                else "no precision fits")
+        stored_so = r.loadable and self.stored == precision  # loads as stored: nothing else held first
+        mb = math.ceil((r.resident_bytes + GiB) / MiB)  # 1 GiB over the plan's figure: the process's own memory
+        if mb * MiB > m.max_wired_limit_bytes:
+            return None
+        left = (m.ram_bytes - mb * MiB) / 1e9
+        how = (f"raise the GPU's limit to run {precision}" if stored_so else
+               f"convert to {precision} once (`{self.convert_command(precision)}`) and raise the GPU's limit")
+        return (f"{how}: `sudo sysctl iogpu.wired_limit_mb={mb}` (until reboot; it leaves {left:.1f} GB to macOS "
+                "and every other app: quit the others, or the Mac can stall or freeze)")
+
+    def advice(self, precision: str) -> list[str]:
+        """What to do when ``precision`` (or ``auto``) does not fit, most direct first: a
+        lossier precision that fits (and the command that makes its form, so it loads without
+        re-quantizing at every start), else the form to convert to, else that nothing fits;
+        on a Mac where nothing fits the default limit, the GPU-limit hint."""
+        lossier = (self.auto_candidates if precision == "auto"
+                   else tuple(p for p in TIERS if TIERS.index(p) > TIERS.index(precision)))
+        forms = lossier if precision == "auto" else (precision, *lossier)
+        out = []
+        fit = self.best_fit(lossier)
+        form = self.best_form(forms)
+        if fit is not None:
+            line = f"--precision {fit} fits ({gb(self.row(fit).needed_bytes)})"
+            if fit != self.stored:  # made at every start from this form: once, on disk, it loads in seconds
+                line += f"; to load it without re-quantizing at every start: `{self.convert_command(fit)}`"
+            out.append(line)
+        elif form is not None:
+            why = ("" if self.stored == "gguf" else
+                   f" (a precision made at load from this directory holds its {self.stored} form first)")
+            out.append(f"no precision fits when made from this {'file' if self.stored == 'gguf' else 'directory'}"
+                       f"{why}; converted to {form} it fits ({gb(self.row(form).resident_bytes)}): "
+                       f"`{self.convert_command(form)}`")
+        else:
+            small = self.row(TIERS[-1])
+            out.append(f"no form of this model fits ({TIERS[-1]}, the smallest, needs {gb(small.resident_bytes)})")
+            hint = next((h for h in map(self.wired_hint, forms) if h is not None), None)
+            if hint is not None:
+                out.append(f"or {hint}")
+        return out
+
+    def refusal(self, precision: str) -> str:
+        """One line: what ``precision`` needs (for ``auto``: its first candidate) against what is
+        available, then :meth:`advice`."""
+        shown = self.auto_candidates[0] if precision == "auto" else precision
+        r = self.row(shown)
         where = f" on rank {self.rank} of {self.ranks} (its share)" if self.ranks > 1 else ""
-        line = (f"{self.model}: --precision {precision} needs about {gb(r.needed_bytes)}{where} (weights "
+        line = (f"{self.model}: --precision {shown} needs about {gb(r.needed_bytes)}{where} (weights "
                 f"{gb(r.weights_bytes)}, KV cache {gb(r.kv_bytes)} for {self.context_tokens} tokens, working "
-                f"{gb(r.working_bytes)}) but {gb(self.available_bytes)} is available ({self.budget}); {what}")
-        if sys.platform == "darwin" and "Metal" in self.budget:
-            mb = math.ceil((r.needed_bytes + (1 << 30)) / 2**20)
-            line += (f"; or raise the GPU's limit with `sudo sysctl iogpu.wired_limit_mb={mb}` (until reboot; "
-                     "it leaves less memory to macOS and other apps, too high a value can freeze the Mac)")
-        return line
+                f"{gb(r.working_bytes)}) but {gb(self.available_bytes)} is available ({self.budget}); ")
+        return line + "; ".join(self.advice(precision))
 
     def split_refusal(self, precision: str) -> str:
         """One line: ``precision`` is quantized before the split, in groups the split would cut."""
@@ -118,11 +239,15 @@ class Plan:
                 f"(each rank re-quantizes its own slices to {precision})")
 
     def to_dict(self) -> dict[str, Any]:
+        best = self.best_fit(self.auto_candidates)
         return {"model": self.model, "stored": self.stored, "ranks": self.ranks, "rank": self.rank,
                 "context_tokens": self.context_tokens,
                 "available_bytes": self.available_bytes, "budget": self.budget,
-                "auto": self.best_fit(), "precisions": [{**asdict(r), "needed_bytes": r.needed_bytes,
-                                                         "help": TIER_HELP[r.precision]} for r in self.rows]}
+                "machine": None if self.machine is None else asdict(self.machine),
+                "auto": best, "best_form": self.best_form(),
+                "advice": self.advice("auto") if best is None or best != self.stored else [],
+                "precisions": [{**asdict(r), "needed_bytes": r.needed_bytes, "resident_bytes": r.resident_bytes,
+                                "help": TIER_HELP[r.precision]} for r in self.rows]}
 
     def table(self) -> list[str]:
         share = f"; per rank: rank {self.rank}'s share of {self.ranks} ranks" if self.ranks > 1 else ""
@@ -141,32 +266,55 @@ class Plan:
                     else "-- (stored form is lossier)")
             lines.append(f"  {r.precision:<10}{size(r.weights_bytes):>10}{size(r.kv_bytes):>10}"
                          f"{size(r.working_bytes):>10}{size(r.needed_bytes):>10}  {fits}")
-        best = self.best_fit()
-        lines.append(f"  auto loads: {best}" if best else "  auto: nothing fits; see README, Runtime precision (which Mac)")
+        best = self.best_fit(self.auto_candidates)
+        if best is None:  # one line, the table's last (before the notes): scripts read it
+            lines.append("  auto: nothing fits; " + "; ".join(self.advice("auto")))
+        else:
+            lines.append(f"  auto loads: {best}")
+            if best != self.stored:  # made at every start from the stored form
+                lines.append(f"  to load {best} without re-quantizing at every start: `{self.convert_command(best)}`")
+        if self.machine is not None and self.machine.nax:
+            lines.append("  an M5-class GPU: under macOS 26.2 or later MLX runs float32 matmuls with TF32-like (NAX) "
+                         "kernels unless MLX_ENABLE_TF32=0, so exact is bit-exact only with it set")
         return lines
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 
 
+# The largest --memory-limit: a byte count any consumer (MLX's size_t, JSON readers) holds
+# exactly, far beyond any machine (9.2 EB).
+MAX_SIZE = 2**63 - 1
+
+
 def parse_size(text: str, flag: str = "--memory-limit") -> int:
-    """"14GB", "14.5G", "900MB", "16GiB" or a byte count -> bytes (GB = 1e9, GiB = 2**30)."""
+    """"14GB", "14.5G", "900MB", "16GiB" or a byte count -> bytes (GB = 1e9, GiB = 2**30), at
+    least one byte and at most :data:`MAX_SIZE`."""
     m = _SIZE.match(str(text))
     if not m:
         raise ParameterError(f"{flag} {text!r}: expected a size such as 14GB, 14.5G or 900MB")
-    value, unit = float(m.group(1)), (m.group(2) or "b").lower()
+    unit = (m.group(2) or "b").lower()
     mult = {"b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
             "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20,
             "gi": 2**30, "ti": 2**40}.get(unit)
-    if mult is None or not value > 0:
+    # exact decimal arithmetic: 400 digits are a number too large, not a float overflow
+    size = Decimal(m.group(1)) * mult if mult is not None else Decimal(0)
+    if mult is None or not size > 0:
         raise ParameterError(f"{flag} {text!r}: expected a positive size such as 14GB, 14.5G or 900MB")
-    return int(value * mult)
+    if size < 1:
+        raise ParameterError(f"{flag} {text!r}: less than one byte; give a size such as 14GB, 14.5G or 900MB")
+    if size > MAX_SIZE:
+        raise ParameterError(f"{flag} {text!r}: larger than any machine's memory (at most {MAX_SIZE} bytes); give a "
+                             "size such as 14GB, 14.5G or 900MB")
+    return int(size)
 
 
 def rank_inventory(inventory: list[TensorInfo], splits: dict[str, Split]) -> list[TensorInfo]:
     """One rank's share of ``inventory``: every tensor of a module ``splits`` names (the model's
     ``shard_plan``) cut to that rank's slice, in logical units, on the axis the split takes it
     (:func:`mlx_dgemma.distributed.param_slices`); the others whole (replicated)."""
+    from .distributed import param_slices
+
     out = []
     for t in inventory:
         # quantized tensors are named by their module, float ones by their parameter
@@ -211,6 +359,7 @@ def cuts_groups(inventory: list[TensorInfo], splits: dict[str, Split], form: str
     The same rule as the load's (:func:`mlx_dgemma.distributed.param_slices`)."""
     from types import SimpleNamespace
 
+    from .distributed import param_slices
     from .tiers import target
 
     for t in inventory:
@@ -228,18 +377,34 @@ def cuts_groups(inventory: list[TensorInfo], splits: dict[str, Split], form: str
 
 def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: str, *,
               context_tokens: int = DEFAULT_CONTEXT, memory_limit: int | None = None,
-              gpu: bool | None = None, ranks: int = 1, rank: int = 0) -> Plan:
+              gpu: bool | None = None, ranks: int = 1, rank: int = 0, machine: Machine | str | None = None,
+              budget: Budget | None = None, gguf: str | None = None) -> Plan:
     """Price every precision for a model described by ``args`` and its tensor ``inventory``
-    (``stored``: "gguf", or a directory's precision), against ``memory_limit`` or the device.
+    (``stored``: "gguf", or a directory's precision), against ``budget``, else ``memory_limit``,
+    else the Mac preset ``machine``, else this device (``gpu``: where the lossy precisions run;
+    default the device's). ``gguf``: the file a directory was converted from (for the advice).
     ``ranks > 1``: rank ``rank``'s share of the model split over ``ranks`` (see the module)."""
-    import mlx.core as mx
+    if isinstance(machine, str):
+        from .machines import machine as preset
 
-    gpu = (mx.default_device() == mx.gpu) if gpu is None else gpu
-    act = 2 if gpu else 4  # the lossy precisions' activation dtype: bfloat16 on a GPU, float32 on the CPU
-    if memory_limit is not None:
-        available, budget = memory_limit, "--memory-limit"
-    else:
-        available, budget = device_budget()
+        machine = preset(machine)
+    if budget is None and memory_limit is not None:
+        budget = Budget(memory_limit, "--memory-limit", None, _on_gpu() if gpu is None else gpu)
+    elif budget is None and machine is not None:
+        budget = machine_budget(machine)
+    elif budget is None:
+        available, label = device_budget()
+        mac = None
+        if sys.platform == "darwin" and label.startswith("Metal"):  # this Mac: its RAM bounds the GPU-limit hint
+            from .memory import device_ram_bytes
+
+            ram = device_ram_bytes()
+            mac = Machine("this Mac", ram, available) if ram else None
+        budget = Budget(available, label, mac, _on_gpu() if gpu is None else gpu)
+    if gpu is not None and gpu != budget.gpu:
+        budget = Budget(budget.bytes, budget.label, budget.machine, gpu)
+    available = budget.bytes
+    act = 2 if budget.gpu else 4  # the lossy precisions' activation dtype: bfloat16 on a GPU, float32 on the CPU
     layers = args.num_hidden_layers
     full, shape, splits = inventory, args, {}
     if ranks > 1:
@@ -254,7 +419,7 @@ def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: 
     rows = []
     for p in TIERS:
         w, itemsize = priced(inventory, p), 4 if p == "exact" else act
-        est = estimate(shape, context_tokens, new_blocks=0, dtype=mx.float32 if itemsize == 4 else mx.bfloat16)
+        est = estimate(shape, context_tokens, new_blocks=0, dtype=itemsize)
         loadable = TIERS.index(p) >= TIERS.index(from_form)
         # several ranks: a form quantized before the split must split at whole groups (a
         # directory's stored form; a .gguf's q4/q3, made whole). Re-quantized after it, it is.
@@ -268,7 +433,56 @@ def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: 
             peak = w if p == from_form else max(w, weight_bytes(inventory, from_form, layers))
         need = max(w + est.kv_bytes + est.working_bytes, peak)
         rows.append(PlanRow(p, w, est.kv_bytes, est.working_bytes, peak, loadable, need <= available, refused))
-    return Plan(model, stored, context_tokens, available, budget, tuple(rows), ranks, rank)
+    return Plan(model, stored, context_tokens, available, budget.label, tuple(rows), ranks, rank,
+                budget.machine, gguf if gguf is not None else model if stored == "gguf" else None)
+
+
+def machine_table(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: str,
+                  context_tokens: int | None = None, gguf: str | None = None) -> list[dict[str, Any]]:
+    """``plan --machine all``: for every Mac preset, what Metal offers by default, the forms of
+    this model that fit once converted, what ``auto`` loads from it as stored, and the one
+    command to run (convert to the most exact form that fits, as ``convert --precision auto``
+    does; where none fits the default limit, the form and the GPU limit that would do)."""
+    out = []
+    for m in MACHINES.values():
+        plan = make_plan(model, args, inventory, stored, context_tokens=context_tokens or DEFAULT_CONTEXT,
+                         machine=m, gguf=gguf)
+        form = plan.best_form(TIERS)  # what `convert --precision auto` writes for this Mac
+        hint = None if form is not None else next(
+            (h for h in map(plan.wired_hint, AUTO_ORDER) if h is not None), None)
+        out.append({"machine": m.name, "stored": stored, "ram_gb": m.ram_gb, "working_set_bytes": m.working_set_bytes,
+                    "measured": m.measured, "nax": m.nax,
+                    "forms": [r.precision for r in plan.rows if r.resident_bytes <= plan.available_bytes],
+                    "auto": plan.best_fit(plan.auto_candidates),
+                    "smallest_bytes": plan.row(TIERS[-1]).resident_bytes,
+                    "command": plan.convert_command(form) if form is not None else None, "wired_hint": hint})
+    return out
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
+    """:func:`machine_table` as README prints it (tests/test_machines.py keeps README in step)."""
+    source = "the .gguf" if rows and rows[0]["stored"] == "gguf" else "this directory"
+    lines = [f"| Mac | GPU working set (Metal's default) | forms that fit | `auto` from {source} | what to run |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ws = f"{r['working_set_bytes'] / 1e9:.2f} GB" + ("" if not r["measured"] else " (logged on a Mac)")
+        forms = ", ".join(r["forms"]) or f"none ({TIERS[-1]}, the smallest, needs {r['smallest_bytes'] / 1e9:.2f} GB)"
+        if r["command"] is not None:
+            run = f"`{r['command']}`"
+        elif r["wired_hint"] is not None:
+            run = r["wired_hint"][0].upper() + r["wired_hint"][1:]
+        else:
+            run = "nothing runs it: use a Mac with more memory"
+        name = r["machine"] + (" (M5: NAX)" if r["nax"] else "")
+        lines.append(f"| {name} | {ws} | {forms} | {r['auto'] or 'refused (exit 1)'} | {run} |")
+    return lines
+
+
+def _on_gpu() -> bool:
+    """Whether MLX's default device is a GPU (imports MLX)."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu
 
 
 def choose_across_ranks(plan: Plan, requested: str) -> str:

@@ -11,7 +11,8 @@ shared with ``convert --precision``); this module applies it to a loaded model, 
   weight's scales and biases cast to that dtype, so no quantized matmul is promoted back to
   float32 (on a GPU, ``gather_qmm`` with float32 scales runs 4-6x slower); and the tensors with
   16-element sub-blocks (Q2_K, Q3_K, Q6_K: the Q6_K embedding is the output head and the
-  self-conditioning matrix) re-quantized to unpadded 8-bit groups of 32, so the head and
+  self-conditioning matrix) re-quantized to unpadded 8-bit groups of 32 (from the packed
+  integers, on threads: a small part of the load's time), so the head and
   self-conditioning do their multiply-adds once instead of over a zero-padded matrix twice as
   wide; and self-conditioning from each position's ``FAST_SC_TOP_K`` most likely tokens
   instead of the whole vocabulary. Approximate; the error against exact is measured (README,
@@ -37,8 +38,10 @@ from mlx.utils import tree_map_with_path
 import numpy as np
 
 from .errors import ModelFilesError, ParameterError
+from .gpu import keep_float32_exact
 from .schema import QuantSpec
-from .tiers import FAST_BITS, FAST_GROUP, PRECISIONS, TIERS, Target, requantize, stored_precision, target
+from .tiers import (FAST_BITS, FAST_GROUP, PRECISIONS, TIERS, Requantized, Target, check_precision_dtype,
+                    ordered_map, requantize_stored, stored_precision, target)
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 __all__ = ["DTYPES", "FAST_BITS", "FAST_GROUP", "PRECISIONS", "TIERS", "Precision", "apply_precision",
@@ -103,9 +106,7 @@ def resolve_precision(precision: str | Precision | None = "auto", dtype: str | m
             raise ParameterError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     if name == "exact":
-        if dtype is not None and dtype != mx.float32:
-            raise ParameterError("--dtype: exact precision runs in float32; use --precision fast "
-                                 "for bfloat16/float16 activations")
+        check_precision_dtype(name, None if dtype is None else str(dtype).split(".")[-1])
         return Precision("exact", mx.float32)
     return Precision("fast" if name == "auto" else name, dtype if dtype is not None else fast_dtype(), FAST_SC_TOP_K)
 
@@ -126,33 +127,52 @@ def _is_quantized(m: nn.Module) -> bool:
     return "scales" in m and hasattr(m, "bits") and hasattr(m, "subblock")
 
 
-def _requantize_module(m: nn.Module, goal: Target, path: str) -> None:
-    """A quantized module's weight -> ``goal``'s form, in place, through the one re-quantizer
-    (:func:`mlx_dgemma.tiers.requantize`, NumPy: the same numbers ``convert --precision`` writes).
+def _requantize_modules(todo: list[tuple[str, nn.Module, Target]]) -> None:
+    """Each (path, quantized module, goal) of ``todo``: the module's weight -> ``goal``'s form,
+    in place, through the one re-quantizer (:func:`mlx_dgemma.tiers.requantize_stored`, NumPy:
+    the same numbers ``convert --precision`` writes), reading the loaded arrays where they are
+    (no copy; fast's pairs make no float copy of the weight either).
 
-    Works in slices along the leading axis (experts or rows), so the float32 copy that exists
-    during the repack is a slice, not the whole tensor (the real embedding is 3 GB in float32).
-    """
-    from .schema import unpad_subblocks
+    The weights are cut in slices along their leading axis (experts or rows), all of them shared
+    by one pool of threads (small tensors are done beside large ones); the float temporaries
+    alive at once are a few slices', not a tensor's (the real embedding is 3 GB in float32), and
+    each module takes its new arrays, freeing its old ones, as soon as its last slice is done."""
+    views: list[tuple[np.ndarray, ...] | None] = []
+    jobs: list[tuple[int, int, int]] = []  # (module, first row, rows)
+    for k, (_, m, _) in enumerate(todo):
+        arrays = [m[n] if m[n].dtype != mx.bfloat16 else m[n].astype(mx.float32) for n in ("weight", "scales", "biases")]
+        mx.eval(*arrays)
+        w = np.asarray(arrays[0])  # views of MLX's buffers
+        views.append((w, np.asarray(arrays[1]), np.asarray(arrays[2])))
+        step = max(1, (1 << 20) // max(1, w[0].size * 32 // m.bits))  # ~1 M weights a slice
+        jobs += [(k, i, step) for i in range(0, w.shape[0], step)]
 
-    w, s, b = m["weight"], m["scales"], m["biases"]
-    lead = w.shape[0]
-    step = max(1, (1 << 26) // max(1, w[0].size * 8))  # ~256 MB of float32 per slice
-    parts: list[tuple[mx.array, mx.array, mx.array]] = []
-    for i in range(0, lead, step):
-        full = mx.dequantize(w[i:i + step], s[i:i + step].astype(mx.float32), b[i:i + step].astype(mx.float32),
-                             group_size=m.group_size, bits=m.bits)
+    def run(job: tuple[int, int, int]) -> Requantized:
+        k, i, n = job
+        path, m, goal = todo[k]
+        w, s, b = views[k]
         try:
-            r = requantize(np.array(unpad_subblocks(full, m.subblock)), goal)
+            return requantize_stored(w[i:i + n], s[i:i + n], b[i:i + n], m.bits, m.group_size, m.subblock, goal)
         except OverflowError as e:  # as convert --precision refuses it: one line naming the weight
             raise ModelFilesError(f"{path}.weight: {e}; load it with --precision exact") from None
-        parts.append((mx.array(r.weight), mx.array(r.scales), mx.array(r.biases)))
-        mx.eval(*parts[-1])
-    m.weight = mx.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-    m.scales = mx.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-    m.biases = mx.concatenate([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]
-    m.bits, m.group_size, m.subblock = goal.bits, goal.group_size, 32
-    mx.eval(m.weight, m.scales, m.biases)
+
+    left = [sum(1 for j in jobs if j[0] == k) for k in range(len(todo))]
+    out: list[list[np.ndarray]] = [[] for _ in todo]
+    for (k, i, n), r in zip(jobs, ordered_map(run, jobs)):
+        arrays = (r.weight, r.scales, r.biases)
+        if not out[k]:
+            lead = views[k][0].shape[0]
+            out[k] = [np.empty((lead, *a.shape[1:]), dtype=a.dtype) for a in arrays]
+        for o, a in zip(out[k], arrays):
+            o[i:i + n] = a
+        left[k] -= 1
+        if not left[k]:
+            _, m, goal = todo[k]
+            views[k] = None
+            m.weight, m.scales, m.biases = (mx.array(a) for a in out[k])
+            m.bits, m.group_size, m.subblock = goal.bits, goal.group_size, 32
+            mx.eval(m.weight, m.scales, m.biases)
+            out[k] = []
 
 
 def _goal(precision: str, path: str, m: nn.Module, specs: dict[str, QuantSpec], num_layers: int) -> Target | None:
@@ -161,13 +181,14 @@ def _goal(precision: str, path: str, m: nn.Module, specs: dict[str, QuantSpec], 
         width = m["weight"].shape[-1] * 32 // m.bits // (2 if m.subblock == 16 else 1)
         return target(precision, path, spec.ggml_type, num_layers, width)
     # no ggml type recorded: only fast's rule can be applied (padded sub-blocks are its trigger)
-    return Target(FAST_BITS, FAST_GROUP) if precision == "fast" and m.subblock != 32 else None
+    return Target(FAST_BITS, FAST_GROUP) if precision == "fast" and m.subblock == 16 else None
 
 
 def apply_precision(model: nn.Module, precision: Precision, quantization: dict | None = None) -> None:
     """Turn a loaded model into ``precision``'s runtime form, in memory.
 
-    ``exact`` changes nothing. The others re-quantize the weights their recipe names
+    ``exact`` changes nothing in the model (on a Mac's GPU it keeps float32 matmuls IEEE float32:
+    :func:`mlx_dgemma.gpu.keep_float32_exact`). The others re-quantize the weights their recipe names
     (``mlx_dgemma.tiers.target``; ``quantization`` is config.json's section, which records each
     weight's ggml type) unless already in that form, cast every quantized weight's scales and
     biases (the tiers' float16 ones only to a half-precision activation dtype) and every float
@@ -176,17 +197,20 @@ def apply_precision(model: nn.Module, precision: Precision, quantization: dict |
     model (the loader's :class:`mlx_dgemma.runtime.Runtime`), as are steps traced before.
     """
     if precision.name == "exact":
+        keep_float32_exact()  # before its first matmul: float32 stays IEEE on an M5-class GPU too
         return
     dt = precision.dtype
     specs = {k: QuantSpec.from_dict(v) for k, v in (quantization or {}).items() if isinstance(v, dict)}
     layers = model.args.num_hidden_layers
     model.activation_dtype = dt
-    for path, m in model.named_modules():
-        if not _is_quantized(m):
-            continue
+    quantized = [(path, m) for path, m in model.named_modules() if _is_quantized(m)]
+    todo = []
+    for path, m in quantized:
         goal = _goal(precision.name, path, m, specs, layers)
         if goal is not None and (m.bits, m.group_size, m.subblock) != (goal.bits, goal.group_size, 32):
-            _requantize_module(m, goal, path)
+            todo.append((path, m, goal))
+    _requantize_modules(todo)
+    for path, m in quantized:
         # the tiers' float16 scales stay float16 beside float32 activations (half the memory)
         keep = precision.lossy_weights and dt == mx.float32 and m["scales"].dtype == mx.float16
         if m["scales"].dtype != dt and not keep:
@@ -203,6 +227,9 @@ def apply_precision(model: nn.Module, precision: Precision, quantization: dict |
 
     model.update(tree_map_with_path(cast, model.parameters()))
     mx.eval(model.parameters())
+    # what this conversion freed (the exact weights it replaced, its temporaries) stays in MLX's
+    # buffer cache, counted against the device's memory, until given back
+    mx.clear_cache()
 
 
 def quantized_dtype_report(model: nn.Module) -> list[tuple[str, str, int, int]]:

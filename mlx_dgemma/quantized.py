@@ -14,9 +14,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from .schema import QuantSpec, pad_subblocks, unpad_subblocks
+from .switch_layers import QuantizedSwitchLinear, SwitchLinear  # mlx-lm's, vendored
 
 
 class GGUFQuantizedLinear(nn.QuantizedLinear):

@@ -42,6 +42,8 @@ class Runtime:
     generation_config: dict[str, Any] = field(default_factory=dict)  # the model's sampler defaults
     precision: Precision = EXACT  # the runtime precision the weights are in
     demo_kind: str | None = None  # "trained" | "random" for the built-in demo; None for a real model
+    # --memory-limit: the one budget, the plan's and every prompt's (None: what the device offers)
+    memory_limit: int | None = None
     # the compiled steps traced for this model, by traced sampler fields and dtype (:meth:`step`)
     steps: dict[tuple, StepFunction] = field(default_factory=dict, init=False, repr=False)
 
@@ -81,6 +83,23 @@ class Runtime:
         from .plan import rank_args
 
         return rank_args(self.model.args, size_of(self.group), rank_of(self.group))[0]
+
+    @cached_property
+    def weights_bytes(self) -> int:
+        """Bytes of the model's parameters (what the plan priced as weights)."""
+        from mlx.utils import tree_flatten
+
+        return sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
+
+    def prompt_budget(self, cache_bytes: int) -> tuple[int | None, str | None]:
+        """(bytes a prompt may still use, where they come from) under ``memory_limit``: the
+        limit less the weights and the ``cache_bytes`` already held (or what MLX holds, if
+        more); (None, None) without one (the device's figure, :func:`memory.available_bytes`)."""
+        if self.memory_limit is None:
+            return None, None
+        from .memory import available_bytes
+
+        return available_bytes(self.memory_limit, self.weights_bytes + cache_bytes), "--memory-limit"
 
     def sc_top_k(self, params: SamplerParams) -> int | None:
         """The self-conditioning top-k a step under ``params`` runs with (None: the whole vocabulary)."""

@@ -106,9 +106,19 @@ def confidence_reveal(processed: mx.array, argmax: mx.array, revealed: mx.array,
     return mx.where(want | forced, argmax, revealed)
 
 
+def fixed_logits(processed: mx.array, mask: mx.array, tokens: mx.array, lo: int = 0) -> mx.array:
+    """``processed`` (logits [B, C, V'], V' ids from ``lo``) with each fixed position (``mask``)
+    one-hot on its token: the next step's self-conditioning reads the given token there, as
+    the model would read its own certain prediction. -1e4, not -inf: finite in float16 too."""
+    ids = mx.arange(lo, lo + processed.shape[-1])
+    hot = mx.where(ids == tokens[..., None], 0.0, -1e4).astype(processed.dtype)
+    return mx.where(mask[..., None], hot, processed)
+
+
 def sample_step(raw_logits: mx.array, temp: float | mx.array, bound: float, vocab_size: int,
                 key: mx.array, accept_probability: float | None = None,
-                revealed: mx.array | None = None) -> dict[str, mx.array]:
+                revealed: mx.array | None = None,
+                fixed: tuple[mx.array, mx.array] | None = None) -> dict[str, mx.array]:
     """One step of the sampler on the decoder's logits [B, C, V].
 
     Returns processed logits (the next self-conditioning input), the argmax canvas, the
@@ -117,6 +127,11 @@ def sample_step(raw_logits: mx.array, temp: float | mx.array, bound: float, voca
     draw, the rest fresh uniform tokens; ``revealed`` passes through. Confidence threshold:
     see :func:`confidence_reveal`; revealed positions keep their token, the rest are
     renoised, and ``accepted`` marks every revealed position.
+
+    ``fixed`` (mask [B, C], tokens [B, C]; a canvas template, :mod:`mlx_dgemma.canvas`): those
+    positions hold their token in the canvas and the argmax, are accepted with zero entropy
+    (they use none of the EntropyBound budget and count as confident for stopping) and are
+    one-hot in the processed logits. None (the default) adds nothing to the graph.
     """
     k_draw, k_noise = mx.random.split(key)
     processed = raw_logits / temp
@@ -125,14 +140,24 @@ def sample_step(raw_logits: mx.array, temp: float | mx.array, bound: float, voca
     noise = mx.random.randint(0, vocab_size, argmax.shape, key=k_noise)
     if revealed is None:
         revealed = mx.full(argmax.shape, -1, dtype=mx.int32)
+    if fixed is not None:
+        mask, tokens = fixed
+        argmax = mx.where(mask, tokens, argmax)
+        entropy = mx.where(mask, 0.0, entropy)
     if accept_probability is None:
         draw = mx.random.categorical(processed, axis=-1, key=k_draw)
+        if fixed is not None:
+            draw = mx.where(fixed[0], fixed[1], draw)
         accepted = accept_mask(entropy, bound)
         canvas = mx.where(accepted, draw, noise)
     else:
+        if fixed is not None:
+            revealed = mx.where(fixed[0], fixed[1], revealed)
         revealed = confidence_reveal(processed, argmax, revealed, accept_probability)
         accepted = revealed >= 0
         canvas = mx.where(accepted, revealed, noise)
+    if fixed is not None:
+        processed = fixed_logits(processed, *fixed)
     return {"processed": processed, "argmax": argmax, "entropy": entropy, "accepted": accepted,
             "canvas": canvas.astype(mx.int32), "revealed": revealed}
 
@@ -188,3 +213,17 @@ def finalize_block(block: list[int], eos_ids: tuple[int, ...], pad_id: int) -> t
         if t in eos_ids:
             return block[: i + 1] + [pad_id] * (len(block) - i - 1), True
     return block, False
+
+
+def max_tokens_cut(tokens: list[int] | tuple[int, ...], max_tokens: int | None, pad_id: int | None) -> int:
+    """How many of ``tokens`` an answer of at most ``max_tokens`` tokens keeps: the core
+    generates whole blocks, a caller's limit counts tokens, and padding is none (the cut is
+    after the ``max_tokens``-th other one). ``len(tokens)`` where they are within the limit."""
+    if max_tokens is None or len(tokens) <= max_tokens:
+        return len(tokens)
+    counted = 0
+    for i, t in enumerate(tokens):
+        counted += t != pad_id
+        if counted == max_tokens:
+            return i + 1
+    return len(tokens)

@@ -115,6 +115,20 @@ class QuantSpec:
 
 
 # ---------------------------------------------------------------------------------------------
+# the runtime's memory shapes: declared here (no MLX) so the memory plan prices them where MLX is
+# not imported (the converter's plan); the model, the cache and generation use them
+
+# Prompt tokens per encoder pass. Measured on `medium` (benchmarks/prefill.py, RESULTS.md):
+# throughput is flat from 256 to 1024 tokens and the working memory grows with the chunk.
+DEFAULT_PREFILL_CHUNK = 512
+# Upper bound on one attention call's float32 scores during prefill: longer contexts split
+# the chunk's queries so the global layer's working memory stays flat as the cache grows.
+ATTENTION_SCORES_BUDGET = 64 << 20
+# Global layers' KV cache grows in buckets of this many positions.
+DEFAULT_BUCKET = 1024
+
+
+# ---------------------------------------------------------------------------------------------
 # the weights' safetensors files
 
 # a safetensors header's dtype tag -> the NumPy dtype of its bytes (bfloat16 as its raw uint16 payload,

@@ -60,30 +60,35 @@ class StepFunction:
         self.sc_top_k = effective_sc_top_k(params, model.args.vocab_size, precision_sc_top_k)
         self.dtype = dtype or model.activation_dtype  # the runtime precision's activations
         self.compiled = compile
-        self._fns: dict[bool, Callable] = {}
+        self._fns: dict[tuple[bool, bool], Callable] = {}
         self._cache: KVCache | None = None
 
-    def _fn(self, with_sc: bool) -> Callable:
-        if with_sc not in self._fns:
-            body = self._body(with_sc)
-            self._fns[with_sc] = mx.compile(body) if self.compiled else body
-        return self._fns[with_sc]
+    def _fn(self, with_sc: bool, with_fixed: bool = False) -> Callable:
+        # a canvas template's step is its own trace: the default step's graph stays as it was
+        if (with_sc, with_fixed) not in self._fns:
+            body = self._body(with_sc, with_fixed)
+            self._fns[with_sc, with_fixed] = mx.compile(body) if self.compiled else body
+        return self._fns[with_sc, with_fixed]
 
-    def _body(self, with_sc: bool) -> Callable:
+    def _body(self, with_sc: bool, with_fixed: bool = False) -> Callable:
         model, p, dtype = self.model, self.params, self.dtype
         sc_top_k = self.sc_top_k
 
         def body(canvas, sc, temp, key, history, revealed, offset, *state):
+            if with_fixed:  # the template's mask and tokens come first among the cache arrays
+                fixed, state = (state[0], state[1]), state[2:]
+            else:
+                fixed = None
             cache = self._cache.view(list(state), offset)  # the cache as a view over the traced inputs
             logits = model.denoise(canvas, cache, sc if with_sc else None, dtype=dtype, sc_top_k=sc_top_k)
             group = model.group
             if group is None:
                 out = sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key, p.accept_probability,
-                                  revealed)
+                                  revealed, fixed)
             else:  # logits hold this rank's vocabulary: the sampler's reductions go across ranks
                 # (EntropyBound only: the constructor refuses accept_probability on several ranks)
                 out = {**sharded_sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key,
-                                             model.vocab[0], group), "revealed": revealed}
+                                             model.vocab[0], group, fixed), "revealed": revealed}
             stop, new_history = stop_update(history, out["argmax"], out["entropy"], p.stability_threshold,
                                             p.confidence_threshold)
             if p.accept_probability is not None:  # confidence threshold: done once every position is revealed
@@ -99,15 +104,18 @@ class StepFunction:
         return initial_history(self.params.stability_threshold, shape)
 
     def __call__(self, canvas: mx.array, sc: mx.array | None, temperature: float, key: mx.array,
-                 history: mx.array, cache: KVCache, revealed: mx.array | None = None) -> dict[str, mx.array]:
+                 history: mx.array, cache: KVCache, revealed: mx.array | None = None,
+                 fixed: tuple[mx.array, mx.array] | None = None) -> dict[str, mx.array]:
+        """``fixed``: a canvas template's (mask [1, C] bool, tokens [1, C] int32), held at every step."""
         self._cache = cache
         state = cache.step_state()  # the filled slots: one trace per rounded length
         offset = mx.array(cache.offset, dtype=mx.int32)
         revealed = revealed if revealed is not None else initial_revealed(canvas.shape)
+        extra = list(fixed) if fixed is not None else []
         try:
-            out = self._fn(sc is not None)(canvas, sc if sc is not None else mx.zeros((1,)),
-                                           mx.array(temperature, dtype=mx.float32), key, history, revealed, offset,
-                                           *state)
+            out = self._fn(sc is not None, fixed is not None)(
+                canvas, sc if sc is not None else mx.zeros((1,)), mx.array(temperature, dtype=mx.float32), key,
+                history, revealed, offset, *extra, *state)
         finally:
             self._cache = None  # only read while tracing; a shared step must not keep a finished answer's cache alive
         return dict(zip(OUTPUTS, out))

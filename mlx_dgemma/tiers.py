@@ -2,7 +2,8 @@
 
 Plain data and NumPy only (no MLX import): ``convert --precision`` writes a tier without MLX,
 the runtime (:mod:`mlx_dgemma.precision`) applies the same recipe to loaded weights through the
-same :func:`requantize`, and the memory plan (:mod:`mlx_dgemma.plan`) prices a precision from
+same re-quantizer (:func:`requantize_affine`, from the integers and scales of a weight's exact
+form; :func:`requantize_stored` reads them from MLX's packed arrays), and the memory plan (:mod:`mlx_dgemma.plan`) prices a precision from
 the tensor inventory before a byte of weights is read.
 
 Precisions, most exact first:
@@ -10,7 +11,8 @@ Precisions, most exact first:
 * ``exact``: every weight as the GGUF stores it (bit-exact; float32 K-quant scales, padded
   16-element sub-blocks).
 * ``fast``: the exact integers with scales in the activation dtype; padded sub-block types
-  (Q2_K, Q3_K, Q6_K) re-quantized to 8-bit groups of 32. On disk (``convert --precision fast``,
+  (Q2_K, Q3_K, Q6_K) re-quantized to 8-bit groups of 32 (Q3_K and Q6_K by the pairs rule,
+  :data:`PAIR_COARSER`: cheap enough for every start). On disk (``convert --precision fast``,
   formerly ``--compact``) the scales are float16.
 * ``q4`` (fits a 24 GB Mac: 14.2 GB of weights at full size): experts 4-bit, the embedding
   (also the output head and the self-conditioning matrix) 6-bit, everything else (attention,
@@ -28,14 +30,20 @@ experts of which 8 are used.
 
 A re-quantized weight is MLX affine (``w = scale * q + bias`` per group, float16 scale and
 bias) computed by :func:`requantize` from the exact float32 values: min-max ranges refined by a
-least-squares refit of each group's scale and bias (lower RMS error than min-max alone).
+least-squares refit of each group's scale and bias (lower RMS error than min-max alone); fast's
+Q3_K/Q6_K groups instead from their two sub-blocks' integers (``Target.pairs``). The work is
+done block by block (in the CPU's cache) and row chunk by row chunk on threads
+(:func:`ordered_map`); every number depends on its group alone, so neither changes a value.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -47,33 +55,64 @@ PRECISIONS = ("auto", *TIERS)
 LOSSY_ON_DISK = ("fast", "q4", "q3")  # what ``convert --precision`` can write besides exact
 
 # One line each, for --help, plan and README.
-TIER_HELP = {
+TIER_RECIPE = {  # what each precision stores, for any model (a conversion's summary says this)
     "exact": "bit-exact weights, float32 (verify's and the parity tests' form)",
     "fast": "exact integers, half-precision scales, Q6_K head re-quantized to 8 bits",
-    "q4": "experts 4-bit, the rest 5-6 bits (14.2 GB at full size): fits a 24 GB Mac",
-    "q3": "experts 3-bit, the rest 4-6 bits (11.3 GB at full size): aimed at a 16 GB Mac",
+    "q4": "experts 4-bit, the rest 5-6 bits",
+    "q3": "experts 3-bit, the rest 4-6 bits",
 }
+# the published model at full size (README, "Which Mac, which form, which command"): --help adds it
+FULL_SIZE_NOTE = {"q4": " (14.2 GB at full size): fits a 24 GB Mac",
+                  "q3": " (11.3 GB at full size): a 16 GB Mac with its GPU limit raised"}
+TIER_HELP = {k: v + FULL_SIZE_NOTE.get(k, "") for k, v in TIER_RECIPE.items()}
 
 # Padded sub-block types (Q2_K, Q3_K, Q6_K) in fast: 8 bits keeps their 6-bit (or fewer) values
 # to within a fraction of their own step; 32 is MLX's smallest affine group.
 FAST_BITS, FAST_GROUP = 8, 32
 PADDED_TYPES = ("Q2_K", "Q3_K", "Q6_K")
+# ... of which those whose offset is tied to the scale (w = d * sc * (q - c)): re-quantized from
+# their sub-blocks' integers (``Target.pairs``). Q2_K's independent minimums seldom let one
+# sub-block's grid cover the other: min-max with refits keeps its error lower (13 % on random blocks).
+PAIRED_TYPES = ("Q3_K", "Q6_K")
 SCALE_DTYPE = np.float16  # scales and biases of every re-quantized weight, on disk and in memory
 
 
+def check_precision_dtype(precision: str, dtype: str | None) -> None:
+    """``exact`` is float32 by definition: another activation dtype with it is an error rather
+    than a silent contradiction. By name, standard library only, so the command line refuses
+    ``--precision exact --dtype bfloat16`` before it imports MLX (it took 7.8 s to say so)."""
+    if precision == "exact" and dtype is not None and dtype != "float32":
+        from .errors import ParameterError
+
+        raise ParameterError("--dtype: exact precision runs in float32; use --precision fast "
+                             "for bfloat16/float16 activations")
+
+
+# config.json's ``mlx_dgemma.weights``: a tier, or "compact" (fast's form under its older name)
+STORED_FORMS = (*TIERS, "compact")
+
+
 def stored_precision(config: dict) -> str:
-    """The form a converted directory's weights are in (config.json ``mlx_dgemma.weights``;
-    "compact", the older name of fast's form, reads as "fast")."""
-    w = (config.get("mlx_dgemma") or {}).get("weights", "exact")
-    return "fast" if w == "compact" else w if w in TIERS else "exact"
+    """The form a converted directory's weights are in (config.json ``mlx_dgemma.weights``,
+    exact where the section or the key is absent; "compact", the older name of fast's form,
+    reads as "fast"). ValueError for any other value: ``validate.check_config`` refuses those
+    first, naming the file; read as exact, a lossy directory would be taken for bit-exact."""
+    section = config.get("mlx_dgemma", {})
+    w = section.get("weights", "exact") if isinstance(section, dict) else None
+    if not (isinstance(w, str) and w in STORED_FORMS):
+        raise ValueError(f"config.json mlx_dgemma.weights = {w!r}: expected one of {', '.join(TIERS)}")
+    return "fast" if w == "compact" else w
 
 
 @dataclass(frozen=True)
 class Target:
-    """What one weight becomes: ``bits``-bit affine groups of ``group_size`` (float16 scales)."""
+    """What one weight becomes: ``bits``-bit affine groups of ``group_size`` (float16 scales).
+    ``pairs``: each group is two of the source's 16-element sub-blocks, re-quantized from them
+    (fast's rule for the padded types, :func:`requantize_affine`) instead of by min-max and refits."""
 
     bits: int
     group_size: int
+    pairs: bool = False
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -89,14 +128,14 @@ def target(precision: str, module: str, ggml_type: str, num_layers: int, width: 
     if goal is None:
         return None
     group = next((g for g in (128, 64, 32) if g <= goal.group_size and width % g == 0), None)
-    return None if group is None else Target(goal.bits, group)
+    return None if group is None else Target(goal.bits, group, goal.pairs)
 
 
 def _recipe(precision: str, module: str, ggml_type: str, num_layers: int) -> Target | None:
     if precision in ("exact", "auto"):
         return None
     if precision == "fast":
-        return Target(FAST_BITS, FAST_GROUP) if ggml_type in PADDED_TYPES else None
+        return Target(FAST_BITS, FAST_GROUP, pairs=ggml_type in PAIRED_TYPES) if ggml_type in PADDED_TYPES else None
     if precision not in ("q4", "q3"):
         raise ValueError(f"unknown precision {precision!r}")
     if ".experts." in module:
@@ -111,6 +150,75 @@ def _recipe(precision: str, module: str, ggml_type: str, num_layers: int) -> Tar
 # --------------------------------------------------------------------------------------------
 # the re-quantizer
 
+# Groups re-quantized at a time (in elements): the dozen float32 passes over a block stay in the
+# CPU's cache instead of streaming 60 MB temporaries per pass (an 8 MB chunk of Q4_K input is
+# 15 M weights). Each group's numbers depend on that group alone, so neither this size nor the
+# number of threads (:func:`ordered_map`) changes a stored value.
+_BLOCK_ELEMENTS = 1 << 16
+
+# fast's rule for the padded types: a group's grid is the coarser sub-block's own (that half
+# stays exact) when that grid is at most this much coarser than the group's min-max grid.
+# Measured on real Q6_K blocks (Gemma 3 270M) and on random ones: 1.25 lowers the relative RMS
+# error 8-13 % below min-max with refits while the largest error stays within 3 % of it; a
+# looser bound lowers the RMS little more and raises the largest error (benchmarks/RESULTS.md).
+PAIR_COARSER = 1.15
+
+
+@dataclass(frozen=True)
+class Requantized:
+    """A re-quantized weight in MLX's stored form, and how far it is from the exact values
+    (zeros when not measured)."""
+
+    weight: np.ndarray  # uint32, packed
+    scales: np.ndarray  # float16
+    biases: np.ndarray  # float16
+    max_abs_error: float
+    sq_error: float  # sum of squared errors (relative RMS = sqrt(sq_error / sq_exact))
+    sq_exact: float
+
+
+def requantize(w: np.ndarray, t: Target, measure: bool = True) -> Requantized:
+    """Exact float32 rows ``[..., n]`` (sub-block padding already removed) -> ``t``'s stored form
+    by min-max and least-squares refits (:func:`quantize_affine`); ``measure=False`` skips the
+    error (the runtime does not report it)."""
+    if t.pairs:
+        raise ValueError("a pairs target re-quantizes from the sub-blocks: use requantize_affine")
+    q, s, b, err = _quantize(w, t.bits, t.group_size, 2, measure)
+    return _packed(q, s, b, t.bits, err)
+
+
+def requantize_affine(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, subblock: int,
+                      t: Target, measure: bool = True) -> Requantized:
+    """The one re-quantizer, from a weight's exact affine form: ``bits``-bit integers ``q``
+    ``[..., n]`` (padding removed) and float32 ``scales``/``biases`` ``[..., n/subblock]``
+    (w = scale * q + bias). ``convert --precision`` (from the GGUF's blocks) and the runtime
+    precisions (from a loaded weight's arrays) both call it with the same integers and scales,
+    so a form loaded from a GGUF, from an exact directory or from its own converted directory
+    holds the same numbers."""
+    if t.pairs:
+        if subblock != 16 or t.group_size != 32 or t.bits != 8:
+            raise ValueError(f"pairs re-quantize 16-element sub-blocks into 8-bit groups of 32, not {t}")
+        return _requantize_pairs(_columns(q), q.size // 16, scales, biases, bits, q.shape, measure)
+    return requantize(dequantize(q, scales, biases, subblock), t, measure)
+
+
+def requantize_stored(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int,
+                      subblock: int, t: Target, measure: bool = False) -> Requantized:
+    """:func:`requantize_affine` from a weight's stored MLX form (packed ``weight``, float
+    ``scales``/``biases`` per group of ``group_size``; 16-element sub-blocks padded): what the
+    runtime precisions re-quantize a loaded weight with. fast's pairs read the integers straight
+    from the packed bytes; the others unpack them and form the values ``q * scale + bias``, the
+    same numbers the converter forms from the GGUF's blocks."""
+    lead = weight.shape[:-1]
+    stored = weight.shape[-1] * 32 // bits
+    n = stored // 2 if subblock == 16 else stored
+    if t.pairs:
+        if subblock != 16 or group_size != 32 or t.group_size != 32 or t.bits != 8:
+            raise ValueError(f"pairs re-quantize 16-element sub-blocks into 8-bit groups of 32, not {t}")
+        count = int(np.prod(lead, dtype=np.int64)) * n // 16
+        return _requantize_pairs(_packed_columns(weight, bits), count, scales, biases, bits, (*lead, n), measure)
+    return requantize(dequantize_stored(weight, scales, biases, bits, group_size, subblock), t, measure)
+
 
 def quantize_affine(w: np.ndarray, bits: int, group_size: int, refits: int = 2
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -122,46 +230,206 @@ def quantize_affine(w: np.ndarray, bits: int, group_size: int, refits: int = 2
     the integers are chosen, so the stored triple dequantizes to what was measured. Groups
     whose scale or bias overflows float16 raise ``OverflowError`` (the caller names the tensor).
     """
+    q, s, b, _ = _quantize(w, bits, group_size, refits, measure=False)
+    return q, s, b
+
+
+class _Err:
+    """max |stored - exact|, and the sums of squares of the error and of the exact values."""
+
+    def __init__(self) -> None:
+        self.max_abs, self.sq_error, self.sq_exact = 0.0, 0.0, 0.0
+
+    def add(self, diff: np.ndarray, exact: np.ndarray) -> None:
+        """Account a block of groups (rows): ``diff`` (float32) against ``exact``."""
+        self.max_abs = max(self.max_abs, float(diff.max(initial=0.0)), -float(diff.min(initial=0.0)))
+        # each group's sum in float32, the groups' in float64: the figures to ~7 digits
+        self.sq_error += float(np.einsum("ij,ij->i", diff, diff).sum(dtype=np.float64))
+        self.sq_exact += float(np.einsum("ij,ij->i", exact, exact).sum(dtype=np.float64))
+
+
+def _packed(q: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, err: _Err | None) -> Requantized:
+    e = err or _Err()
+    return Requantized(pack_bits(q, bits), s, b, e.max_abs, e.sq_error, e.sq_exact)
+
+
+def _quantize(w: np.ndarray, bits: int, group_size: int, refits: int, measure: bool
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, _Err | None]:
+    """:func:`quantize_affine` block by block, and (``measure``) its error."""
     levels = (1 << bits) - 1
-    g = np.asarray(w, dtype=np.float32).reshape(*w.shape[:-1], -1, group_size)
+    shape = w.shape
+    g_all = np.asarray(w, dtype=np.float32).reshape(-1, group_size)  # one group a row
+    groups = g_all.shape[0]
+    q = np.empty(g_all.shape, dtype=np.uint8)
+    scales, biases = np.empty(groups, dtype=SCALE_DTYPE), np.empty(groups, dtype=SCALE_DTYPE)
+    block = max(1, _BLOCK_ELEMENTS // group_size)
+    buf, tmp = np.empty((block, group_size), np.float32), np.empty((block, group_size), np.float32)
+    err = _Err() if measure else None
+    n = group_size
+    ones = np.ones(n, np.float32)
+    exact_sums = n * levels * levels < 1 << 24
+    with np.errstate(over="ignore"):  # a float16 overflow is _half's error, not a warning
+        for i in range(0, groups, block):
+            _quantize_block(g_all[i:i + block], buf, tmp, levels, refits, ones, exact_sums, q[i:i + block],
+                            scales[i:i + block], biases[i:i + block], err)
+    return q.reshape(shape), scales.reshape(*shape[:-1], -1), biases.reshape(*shape[:-1], -1), err
+
+
+def _quantize_block(g: np.ndarray, buf: np.ndarray, tmp: np.ndarray, levels: int, refits: int, ones: np.ndarray,
+                    exact_sums: bool, q: np.ndarray, scales: np.ndarray, biases: np.ndarray, err: _Err | None
+                    ) -> None:
+    """One block of :func:`_quantize`: groups ``g`` [k, group] -> ``q``, ``scales``, ``biases``
+    (``buf``, ``tmp``: float32 scratch of at least ``g``'s shape)."""
+    n = g.shape[1]
+    qf, t = buf[:g.shape[0]], tmp[:g.shape[0]]
     lo, hi = g.min(-1), g.max(-1)
     scale, bias = _half((hi - lo) / levels), _half(lo)
-    q = _round_to_grid(g, scale, bias, levels)
+    _round_to_grid(g, scale, bias, levels, qf)
+    sw = g.sum(-1)
     for _ in range(refits):
-        qf = q.astype(np.float32)
-        n = group_size
-        sq, sw = qf.sum(-1), g.sum(-1)
-        sqq, sqw = (qf * qf).sum(-1), (qf * g).sum(-1)
+        # sums of integers below 2**24 are exact in float32 in any order (BLAS, einsum);
+        # sum(q * w) is not, and keeps NumPy's pairwise order: the numbers of the
+        # whole-array form this replaced, bit for bit
+        if exact_sums:
+            sq, sqq = qf @ ones, np.einsum("ij,ij->i", qf, qf)
+        else:
+            sq, sqq = qf.sum(-1), np.multiply(qf, qf, out=t).sum(-1)
+        sqw = np.multiply(qf, g, out=t).sum(-1)
         det = n * sqq - sq * sq
         ok = det > 0
         safe = np.where(ok, det, 1)
         new_s = np.where(ok, (n * sqw - sq * sw) / safe, scale)
         new_b = np.where(ok, (sw - new_s * sq) / n, bias)
         scale, bias = _half(new_s), _half(new_b)
-        q = _round_to_grid(g, scale, bias, levels)
-    return q.reshape(w.shape), scale, bias
+        _round_to_grid(g, scale, bias, levels, qf)
+    q[...] = qf
+    scales[...], biases[...] = scale, bias
+    if err is not None:
+        np.multiply(qf, scale.astype(np.float32)[:, None], out=t)
+        np.add(t, bias.astype(np.float32)[:, None], out=t)
+        err.add(np.subtract(t, g, out=t), g)
+
+
+def _requantize_pairs(columns: Callable[[int, int], np.ndarray], count: int, scales: np.ndarray,
+                      biases: np.ndarray, bits: int, shape: tuple[int, ...], measure: bool) -> Requantized:
+    """fast's form of a padded type: ``count`` 16-element sub-blocks of ``bits``-bit integers
+    (``columns(m0, m1)``: those of sub-blocks m0..m1 as the columns of a [16, m1 - m0] uint8
+    array; scales and biases float32, one each a sub-block) -> 8-bit groups of 32, each group
+    two consecutive sub-blocks, in rows ``shape`` [..., n] of elements.
+
+    Where it costs little (:data:`PAIR_COARSER`), a group's grid is the coarser sub-block's own
+    steps subdivided (6-bit: 4 grid steps to one of its steps) and shifted by whole steps to
+    cover the other sub-block: that half of the group stays exact (up to its float16 scale and
+    offset) and only the other half is rounded. Elsewhere the group's min-max grid. No refits
+    and no float copy of the weight: O(groups) work and a few passes over the integers, done
+    sub-block-major (16 rows of long vectors, where NumPy is fast, not millions of rows of 16)."""
+    levels = (1 << bits) - 1
+    sub_steps = 255 // levels  # grid steps per step of a sub-block (6-bit: 4)
+    sc, bi = (np.asarray(a, dtype=np.float32).reshape(-1) for a in (scales, biases))
+    out = np.empty((count, 16), dtype=np.uint8)
+    s_out, b_out = np.empty(count // 2, dtype=SCALE_DTYPE), np.empty(count // 2, dtype=SCALE_DTYPE)
+    block = 2 * max(1, 4 * _BLOCK_ELEMENTS // 32)  # sub-blocks a block (even: whole groups; few
+    # passes, so larger blocks than the refits': less per-call overhead on the per-group vectors)
+    err = _Err() if measure else None
+    with np.errstate(over="ignore"):  # a float16 overflow is _half's error, not a warning
+        for m0 in range(0, count, block):
+            m1 = min(count, m0 + block)
+            qt = columns(m0, m1)
+            s, b = sc[m0:m1], bi[m0:m1]
+            # each sub-block's value range from its integers' range (w is monotone in q)
+            ends = (b + qt.min(0).astype(np.float32) * s, b + qt.max(0).astype(np.float32) * s)
+            lo_j, hi_j = np.minimum(*ends), np.maximum(*ends)
+            lo, hi = np.minimum(lo_j[0::2], lo_j[1::2]), np.maximum(hi_j[0::2], hi_j[1::2])
+            minmax = (hi - lo) / 255
+            first = np.abs(s[0::2]) >= np.abs(s[1::2])  # the coarser sub-block (the first on a tie)
+            step = np.abs(np.where(first, s[0::2], s[1::2])) / sub_steps
+            base = np.where(first, lo_j[0::2], lo_j[1::2])
+            start = base - np.ceil(np.maximum(base - lo, 0) / np.where(step == 0, 1, step)) * step
+            own = (step > 0) & (start + 255 * step >= hi) & (step <= PAIR_COARSER * minmax)
+            scale, bias = _half(np.where(own, step, minmax)), _half(np.where(own, start, lo))
+            sf, bf = np.repeat(scale.astype(np.float32), 2), np.repeat(bias.astype(np.float32), 2)
+            safe = np.where(sf == 0, 1, sf)
+            # (q * s + b - bias) / scale, per sub-block: q * (s / scale) + (b - bias) / scale
+            x = qt.astype(np.float32)
+            np.multiply(x, s / safe, out=x)
+            np.add(x, (b - bf) / safe, out=x)
+            np.rint(x, out=x)
+            np.clip(x, 0, 255, out=x)
+            out[m0:m1] = x.astype(np.uint8).T  # transposed as bytes: 4x less to move than floats
+            s_out[m0 // 2:m1 // 2], b_out[m0 // 2:m1 // 2] = scale, bias
+            if err is not None:
+                exact = qt * s
+                exact += b
+                np.multiply(x, sf, out=x)
+                np.add(x, bf, out=x)
+                err.add(np.subtract(x, exact, out=x).reshape(-1, 16), exact.reshape(-1, 16))
+    lead = shape[:-1]
+    return _packed(out.reshape(shape), s_out.reshape(*lead, -1), b_out.reshape(*lead, -1), 8, err)
+
+
+def _columns(q: np.ndarray) -> Callable[[int, int], np.ndarray]:
+    """Unpacked integers ``[..., n]`` as :func:`_requantize_pairs` reads them (sub-blocks of 16)."""
+    rows = q.reshape(-1, 16)
+    return lambda m0, m1: np.ascontiguousarray(rows[m0:m1].T)
+
+
+def _packed_columns(weight: np.ndarray, bits: int) -> Callable[[int, int], np.ndarray]:
+    """MLX's padded form of a 16-element sub-block type (each sub-block a 32-element group whose
+    second half is padding) as :func:`_requantize_pairs` reads it: the real half's bytes,
+    transposed, then unpacked row by row (long vectors) in MLX's LSB-first layout."""
+    raw = np.ascontiguousarray(weight).view(np.uint8).reshape(-1, 4 * bits)  # 32 elements a group
+    per = _PER_CHUNK[bits]
+    nbytes = per * bits // 8
+    acc_t = _chunk_type(nbytes)
+    mask = acc_t((1 << bits) - 1)
+
+    def columns(m0: int, m1: int) -> np.ndarray:
+        by = np.ascontiguousarray(raw[m0:m1, :2 * bits].T)  # the 16 real elements' bytes, transposed
+        out = np.empty((16, m1 - m0), dtype=np.uint8)
+        for c in range(16 // per):
+            acc = by[c * nbytes].astype(acc_t)
+            for i in range(1, nbytes):
+                acc |= by[c * nbytes + i].astype(acc_t) << acc_t(8 * i)
+            for i in range(per):
+                np.bitwise_and(acc >> acc_t(bits * i), mask, out=out[c * per + i], casting="unsafe")
+        return out
+
+    return columns
 
 
 def _half(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        h = x.astype(SCALE_DTYPE)
+    """``x`` in float16, or OverflowError (callers hold ``np.errstate(over="ignore")``)."""
+    h = x.astype(SCALE_DTYPE)
     if not np.isfinite(h).all():
         raise OverflowError(f"a group's scale or offset exceeds float16's range (max |value| "
                             f"{float(np.abs(x).max()):.3g})")
     return h
 
 
-def _round_to_grid(g: np.ndarray, scale: np.ndarray, bias: np.ndarray, levels: int) -> np.ndarray:
-    s = scale.astype(np.float32)[..., None]
-    safe = np.where(s == 0, 1, s)
-    return np.clip(np.rint((g - bias.astype(np.float32)[..., None]) / safe), 0, levels).astype(np.uint8)
+def _round_to_grid(g: np.ndarray, scale: np.ndarray, bias: np.ndarray, levels: int, out: np.ndarray) -> None:
+    """``out`` (float32, shaped like ``g`` [groups, group]) = each value's grid index in [0, levels]."""
+    s = scale.astype(np.float32)[:, None]
+    np.subtract(g, bias.astype(np.float32)[:, None], out=out)
+    np.divide(out, np.where(s == 0, 1, s), out=out)
+    np.rint(out, out=out)
+    np.clip(out, 0, levels, out=out)
 
 
 def dequantize(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int) -> np.ndarray:
     """Inverse of :func:`quantize_affine` (unpacked integers), float32."""
     g = q.reshape(*q.shape[:-1], -1, group_size).astype(np.float32)
-    w = g * scales.astype(np.float32)[..., None] + biases.astype(np.float32)[..., None]
-    return w.reshape(q.shape)
+    g *= scales.astype(np.float32)[..., None]
+    g += biases.astype(np.float32)[..., None]
+    return g.reshape(q.shape)
+
+
+# Elements per whole-byte chunk of each width (``per * bits / 8`` bytes), packed in the
+# narrowest unsigned integer that holds a chunk (no 64-bit temporaries but for 5 bits).
+_PER_CHUNK = {1: 8, 2: 4, 3: 8, 4: 2, 5: 8, 6: 4, 8: 1}
+
+
+def _chunk_type(nbytes: int) -> type:
+    return np.uint8 if nbytes == 1 else np.uint32 if nbytes <= 4 else np.uint64
 
 
 def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
@@ -170,49 +438,38 @@ def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
     MLX reads each row as an LSB-first bitstream: element j occupies bits
     [j*bits, (j+1)*bits) of the row's little-endian byte string.
     """
-    per = {1: 8, 2: 4, 3: 8, 4: 2, 5: 8, 6: 4, 8: 1}[bits]  # elements per whole-byte chunk
-    nbytes = per * bits // 8
     lead, n = q.shape[:-1], q.shape[-1]
-    chunks = q.reshape(*lead, n // per, per).astype(np.uint64)
-    acc = np.zeros(chunks.shape[:-1], dtype=np.uint64)
-    for i in range(per):
-        acc |= chunks[..., i] << np.uint64(bits * i)
-    raw = acc.view(np.uint8).reshape(*acc.shape, 8)[..., :nbytes]
+    if bits == 8:
+        return np.ascontiguousarray(q, dtype=np.uint8).view(np.uint32)
+    per = _PER_CHUNK[bits]
+    nbytes = per * bits // 8
+    acc_t = _chunk_type(nbytes)
+    chunks = q.reshape(*lead, n // per, per)
+    acc = chunks[..., 0].astype(acc_t)
+    for i in range(1, per):
+        acc |= chunks[..., i].astype(acc_t) << acc_t(bits * i)
+    raw = acc.view(np.uint8).reshape(*acc.shape, np.dtype(acc_t).itemsize)[..., :nbytes]
     return np.ascontiguousarray(raw).reshape(*lead, n * bits // 8).view(np.uint32)
 
 
 def unpack_bits(w: np.ndarray, bits: int) -> np.ndarray:
     """Inverse of :func:`pack_bits`."""
     raw = np.ascontiguousarray(w).view(np.uint8)
-    b = np.unpackbits(raw, axis=-1, bitorder="little")
-    b = b.reshape(*raw.shape[:-1], -1, bits)
-    return (b.astype(np.uint32) << np.arange(bits, dtype=np.uint32)).sum(-1).astype(np.uint8)
-
-
-@dataclass(frozen=True)
-class Requantized:
-    """A re-quantized weight in MLX's stored form, and how far it is from the exact values."""
-
-    weight: np.ndarray  # uint32, packed
-    scales: np.ndarray  # float16
-    biases: np.ndarray  # float16
-    max_abs_error: float
-    sq_error: float  # sum of squared errors (relative RMS = sqrt(sq_error / sq_exact))
-    sq_exact: float
-
-
-def requantize(w: np.ndarray, t: Target) -> Requantized:
-    """Exact float32 rows ``[..., n]`` (sub-block padding already removed) -> ``t``'s stored form.
-
-    The one re-quantizer: ``convert --precision`` and the runtime precisions (``fast``, the
-    tiers) both call it, so a tier loaded from a GGUF, from an exact directory or from its own
-    converted directory holds the same numbers.
-    """
-    q, s, b = quantize_affine(w, t.bits, t.group_size)
-    diff = dequantize(q, s, b, t.group_size) - w
-    return Requantized(pack_bits(q, t.bits), s, b, float(np.abs(diff).max(initial=0.0)),
-                       float(np.square(diff, dtype=np.float64).sum()),
-                       float(np.square(w, dtype=np.float64).sum()))
+    lead, nb = raw.shape[:-1], raw.shape[-1]
+    if bits == 8:
+        return raw.copy()
+    per = _PER_CHUNK[bits]
+    nbytes = per * bits // 8
+    acc_t = _chunk_type(nbytes)
+    by = raw.reshape(*lead, nb // nbytes, nbytes)
+    acc = by[..., 0].astype(acc_t)
+    for i in range(1, nbytes):
+        acc |= by[..., i].astype(acc_t) << acc_t(8 * i)
+    out = np.empty((*acc.shape, per), dtype=np.uint8)
+    mask = acc_t((1 << bits) - 1)
+    for i in range(per):
+        np.bitwise_and(acc >> acc_t(bits * i), mask, out=out[..., i], casting="unsafe")
+    return out.reshape(*lead, nb // nbytes * per)
 
 
 def dequantize_stored(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
@@ -220,6 +477,36 @@ def dequantize_stored(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray
     """A stored (packed, possibly padded) affine weight -> float32 values, padding dropped."""
     q = unpack_bits(weight, bits)
     return unpad_subblocks(dequantize(q, scales, biases, group_size), subblock)
+
+
+def workers() -> int:
+    """Threads for the re-quantizer: the processors this process may run on (NumPy's array
+    operations release the GIL, so threads share the work without copies)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
+
+
+def ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], threads: int | None = None) -> Iterator[Any]:
+    """``map(fn, items)`` on ``threads`` threads (default :func:`workers`), results in order, at
+    most two per thread in flight (bounded memory). Deterministic: each result depends on its
+    item alone; an exception is raised where its item's result would have been."""
+    n = workers() if threads is None else threads
+    if n <= 1:
+        yield from map(fn, items)
+        return
+    pool = ThreadPoolExecutor(n, thread_name_prefix="requantize")
+    pending: deque = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= 2 * n:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,29 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import ParameterError
 from .events import StepEvent
-from .paths import user_path
-
-
-def check_trace_path(path: str | Path, name: str = "trace") -> Path:
-    """A trace file can be written at ``path``: checked before generating, not after."""
-    p = user_path(path)
-    if p.is_dir():
-        raise ParameterError(f"{name} {path}: is a directory; give a file name for the JSON lines, "
-                             f"e.g. {p / 'trace.jsonl'}", param=name, rule="a file path")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise ParameterError(f"{name} {path}: directory {parent} does not exist; create it first "
-                             "(mkdir -p)", param=name, rule="a file path")
-    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise ParameterError(f"{name} {path}: not writable; choose another place", param=name,
-                             rule="a file path")
-    return p
+from .paths import OutputFile, check_output_file, open_output
 
 
 TRACE_FORMAT = 1  # the header's "format": raised when a record changes meaning
@@ -101,19 +85,14 @@ class Trace:
                 out.append(rec)
         return out
 
-    def export_jsonl(self, path: str | Path, decode: Callable[[list[int]], str] | None = None) -> Path:
-        """Write the header (if set), then one JSON object per step; written to a temporary file
-        and renamed."""
-        path = check_trace_path(path)
-        tmp = path.with_name(f".{path.name[:200]}.partial-{os.getpid()}")
-        try:
-            with open(tmp, "w") as f:
-                for rec in ([self.header] if self.header is not None else []) + self.records(decode):
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            tmp.replace(path)
-        except BaseException as e:
-            tmp.unlink(missing_ok=True)
-            if isinstance(e, OSError):
-                raise ParameterError(f"trace {path}: cannot write ({e.strerror or e}); nothing was kept") from e
-            raise
-        return path
+    def export_jsonl(self, path: str | os.PathLike | OutputFile,
+                     decode: Callable[[list[int]], str] | None = None,
+                     inputs: Iterable[str | os.PathLike | None] = ()) -> Path:
+        """Write the header (if set), then one JSON object per step, to ``path`` (checked as
+        :func:`mlx_dgemma.paths.check_output_file` checks any output, against ``inputs``, unless
+        it already was): a regular file is replaced whole, a FIFO or device written in place."""
+        out = path if isinstance(path, OutputFile) else check_output_file(path, "trace", inputs, "trace.jsonl")
+        with open_output(out) as f:
+            for rec in ([self.header] if self.header is not None else []) + self.records(decode):
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        return out.target

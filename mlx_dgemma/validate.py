@@ -24,6 +24,7 @@ from .errors import ModelFilesError, ParameterError
 from .params import check_generation_field, is_int, is_number
 from .paths import input_problem
 from .schema import SAFETENSORS_DTYPES, ModelArgs, SamplerDefaults
+from .tiers import STORED_FORMS, TIERS
 
 # ---------------------------------------------------------------------------------------------
 # Values typed and quoted in the errors below (and in convert's GGUF metadata checks)
@@ -220,6 +221,12 @@ def check_config(config: Any, source: str) -> None:
     mt = config.get("mask_token_id", ModelArgs.mask_token_id)
     if mt >= tc["vocab_size"]:
         bad("mask_token_id", f"a token id below vocab_size = {tc['vocab_size']}", mt)
+    section = config.get("mlx_dgemma", {})  # what the converter wrote: absent in hand-made directories
+    if not isinstance(section, dict):
+        bad("mlx_dgemma", "an object (written by mlx-dgemma convert)", section)
+    weights = section.get("weights", "exact")
+    if not (isinstance(weights, str) and weights in STORED_FORMS):
+        bad("mlx_dgemma.weights", f"one of {', '.join(TIERS)} (the precision it was converted in)", weights)
     q = config.get("quantization", {})
     if not isinstance(q, dict):
         bad("quantization", "an object", q)

@@ -7,6 +7,11 @@ worker thread, each with its own cancel flag that the work polls (``stream_gener
 ``cancel``). Waiting jobs sit in a bounded FIFO; a job cancelled while waiting never runs
 and stops counting against the bound at once (a client that left frees its place).
 
+Turns: a job whose ``run`` returns True has more to do; it goes to the back of the rotation and
+is run again after the others' turns (the server's requests, one block a turn). Up to
+``max_running`` jobs take turns (1, the default: one job at a time, to its end); a new job
+joins the rotation when there is room, in arrival order.
+
 Both front ends use it. The server (``mlx_dgemma.server``) runs every request through one
 and waits for the load (:meth:`ModelWorker.start`). The chat app (``tui/engine.py``) must
 not block its UI on the load: it uses :meth:`ModelWorker.launch`, its load job reports
@@ -25,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .errors import DGemmaError
 
@@ -51,7 +56,7 @@ class Ticket:
     """One job: ``run`` is called on the worker thread with the ticket (poll ``cancelled``);
     ``skipped`` instead, if the job was cancelled before it started."""
 
-    run: Callable[["Ticket"], None]
+    run: Callable[["Ticket"], Any]  # True (only): more to do, run it again after the others' turns
     skipped: Callable[["Ticket"], None] | None = None
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)  # run (or skipped) has returned
@@ -75,13 +80,16 @@ class ModelWorker(Generic[R]):
     ``max_waiting`` bounds the jobs that may wait behind the running one (None: unbounded).
     ``finish`` runs last on the worker thread once it stops after a successful load (a
     sharded model's runtime tells the other ranks to exit there: see ``mlx_dgemma.lockstep``).
+    ``max_running``: jobs that take turns (see the module's doc); may be changed at any time.
     """
 
     def __init__(self, load: Callable[[], R], *, max_waiting: int | None = None,
-                 name: str = "mlx-dgemma-worker", finish: Callable[[], None] | None = None):
+                 name: str = "mlx-dgemma-worker", finish: Callable[[], None] | None = None, max_running: int = 1):
         self._load = load
         self._finish = finish
         self.max_waiting = max_waiting
+        self.max_running = max_running
+        self._turns: deque[Ticket] = deque()  # started jobs waiting for their next turn, in turn order
         self.runtime: R | None = None
         self.current: Ticket | None = None
         self.completed = 0  # jobs run to their end (errors included), skipped ones not
@@ -109,7 +117,7 @@ class ModelWorker(Generic[R]):
     def cancel_all(self) -> None:
         """Cancel the running job (at its next check) and every waiting one; the worker goes on."""
         with self._cv:
-            for t in self._waiting:
+            for t in (*self._waiting, *self._turns):
                 t.cancel()
             if self.current is not None:
                 self.current.cancel()
@@ -122,7 +130,7 @@ class ModelWorker(Generic[R]):
         :attr:`stopping`."""
         with self._cv:
             self._stopping = True
-            for t in self._waiting:
+            for t in (*self._waiting, *self._turns):
                 t.cancel()
             if self.current is not None:
                 self.current.cancel()
@@ -158,13 +166,19 @@ class ModelWorker(Generic[R]):
 
     @property
     def busy(self) -> bool:
-        return self.current is not None
+        return self.current is not None or bool(self._turns)
 
     @property
     def waiting(self) -> int:
-        """Jobs waiting to run, not counting those cancelled while waiting."""
+        """Jobs waiting for their first turn, not counting those cancelled while waiting."""
         with self._cv:
             return sum(1 for t in self._waiting if not t.cancelled)
+
+    @property
+    def in_progress(self) -> int:
+        """Jobs started and not finished: the one running and those waiting for their next turn."""
+        with self._cv:
+            return len(self._turns) + (self.current is not None)
 
     @property
     def running_seconds(self) -> float:
@@ -173,16 +187,17 @@ class ModelWorker(Generic[R]):
         return time.perf_counter() - cur.started if cur is not None and cur.started is not None else 0.0
 
     # jobs -----------------------------------------------------------------
-    def submit(self, run: Callable[[Ticket], None], *, skipped: Callable[[Ticket], None] | None = None,
-               cancel: threading.Event | None = None) -> Ticket:
-        """Queue a job; :class:`WorkerBusy` when ``max_waiting`` live jobs already wait,
+    def submit(self, run: Callable[[Ticket], Any], *, skipped: Callable[[Ticket], None] | None = None,
+               cancel: threading.Event | None = None, bypass_limit: bool = False) -> Ticket:
+        """Queue a job; :class:`WorkerBusy` when ``max_waiting`` live jobs already wait (unless
+        ``bypass_limit``: the front end's own work, e.g. the server's warm-up),
         :class:`WorkerStopped` when the worker is not running. ``cancel``: the job's cancel
         flag, where the caller already has one (a new one otherwise)."""
         ticket = Ticket(run, skipped) if cancel is None else Ticket(run, skipped, cancel)
         with self._cv:
             if not self.alive:
                 raise WorkerStopped("the model worker is not running")
-            if self.max_waiting is not None:
+            if self.max_waiting is not None and not bypass_limit:
                 live = [t for t in self._waiting if not t.cancelled]
                 if len(live) >= self.max_waiting:
                     raise WorkerBusy(len(live))
@@ -192,14 +207,23 @@ class ModelWorker(Generic[R]):
 
     def _next(self) -> Ticket | None:
         with self._cv:
-            while not self._waiting and not self._stopping:
+            while True:
+                # a new job joins the rotation at its end while there is room
+                if self._waiting and len(self._turns) < max(1, self.max_running):
+                    ticket = self._waiting.popleft()
+                    if ticket.cancelled:  # cancelled while it waited: skipped, never run
+                        return ticket
+                    self._turns.append(ticket)
+                    continue
+                if self._turns:
+                    ticket = self._turns.popleft()
+                    if ticket.cancelled and ticket.started is None:  # cancelled before its first turn
+                        return ticket
+                    self.current = ticket  # under the lock: a stop() from now on cancels it
+                    return ticket
+                if self._stopping:
+                    return None
                 self._cv.wait()
-            if self._stopping and not self._waiting:
-                return None
-            ticket = self._waiting.popleft()
-            if not ticket.cancelled:  # current under the lock: a stop() from now on cancels it
-                self.current = ticket
-            return ticket
 
     def _main(self) -> None:
         try:
@@ -232,17 +256,24 @@ class ModelWorker(Generic[R]):
             if ticket.cancelled and self.current is not ticket:  # cancelled while it waited
                 self._skip(ticket)
                 continue
+            more = False
             try:
-                ticket.started = time.perf_counter()
+                if ticket.started is None:
+                    ticket.started = time.perf_counter()
                 try:
-                    ticket.run(ticket)
+                    more = ticket.run(ticket) is True  # only True: a callable returning anything else is done
                 finally:
-                    self.completed += 1
+                    if not more:
+                        self.completed += 1
             except Exception:  # noqa: BLE001 - one failing job must not stop the worker
                 log.exception("job failed")
             finally:
-                self.current = None
-                ticket.done.set()
+                with self._cv:
+                    self.current = None
+                    if more:  # to the back of the rotation: the others' turns first
+                        self._turns.append(ticket)
+                if not more:
+                    ticket.done.set()
 
     def _skip(self, ticket: Ticket) -> None:
         """A job cancelled before it started: its ``skipped`` runs instead, then it is done."""

@@ -95,3 +95,32 @@ def served(tmp_path_factory):
     with TestClient(create_app(engine), raise_server_exceptions=False) as client:
         yield engine, client
     mp.undo()
+
+
+@pytest.fixture
+def simulate_mac(monkeypatch):
+    """``simulate_mac("mac-24gb")``: this process looks like that Mac preset (one table,
+    :data:`mlx_dgemma.machines.MACHINES`, for ``plan --machine`` and this simulator): macOS 15 on
+    arm64, MLX's default device a Metal GPU reporting the preset's RAM and working set, nothing
+    held. For planning and refusals only: arrays still run on this machine's own device."""
+    import platform
+    import sys
+
+    import mlx.core as mx
+
+    from mlx_dgemma.machines import MACHINES
+
+    def use(name: str):
+        m = MACHINES[name]
+        monkeypatch.setattr(sys, "platform", "darwin")
+        monkeypatch.setattr(platform, "machine", lambda: "arm64")
+        monkeypatch.setattr(platform, "mac_ver", lambda: ("15.1", ("", "", ""), "arm64"))
+        monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+        monkeypatch.setattr(mx, "device_info", lambda *a: {
+            "device_name": "Apple M4", "architecture": "applegpu_g16", "memory_size": m.ram_bytes,
+            "max_recommended_working_set_size": m.working_set_bytes})
+        monkeypatch.setattr(mx, "get_active_memory", lambda: 0)
+        monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+        return m
+
+    return use

@@ -223,10 +223,12 @@ def test_convert_and_tui_reach_the_core_by_absolute_imports():
     assert not bad, "\n".join(bad)
 
 
-def test_no_private_names_from_mlx_lm():
-    # mlx-lm's private helpers change without notice: vendor them (model.py does) instead.
-    bad = [f"{f}:{line} imports {m}.{name}" for f, m, name, line in _all_imports()
-           if _under(m, "mlx_lm") and (name.startswith("_") or any(p.startswith("_") for p in m.split(".")))]
+def test_the_packages_import_nothing_of_mlx_lm():
+    # mlx-lm's package __init__ imports transformers (and torch): 4-6 s before a command's first
+    # line on a Mac (issue 30). Its expert layers are vendored (mlx_dgemma/switch_layers.py, held
+    # to mlx-lm's by tests/test_switch_layers.py); the benchmark's peers may use it (mlx-vlm does).
+    bad = [f"{f}:{line} imports {m}" for f, m, _, line in _all_imports()
+           if _under(m, "mlx_lm") and not f.startswith("mlx_dgemma/bench/")]
     assert not bad, "\n".join(bad)
 
 

@@ -123,6 +123,46 @@ def _stdin(monkeypatch, data: bytes) -> None:
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
 
 
+@pytest.mark.parametrize("json_out", [True, False])
+def test_max_tokens_counts_tokens_not_blocks(json_out, spy, capsys, clean_env):
+    # before: --max-tokens 10 printed the whole first block (27 tokens), the server's max_tokens cut at 10
+    from mlx_dgemma.sampler import max_tokens_cut
+
+    argv = ["generate", "--demo", "--prompt", "In the beginning", "--seed", "0", "--steps", "3",
+            "--commit-entropy", "0", "--max-tokens", "4"]
+    assert main([*argv, *(["--json"] if json_out else [])]) == 0
+    out, err = capsys.readouterr()
+    done = [ev for ev in spy[0]["events"] if isinstance(ev, DoneEvent)][0]
+    pad = spy[0]["runtime"].generation_config["pad_token_id"]
+    assert sum(t != pad for t in done.tokens) > 4  # the core made a whole block: the cut is the CLI's
+    kept = list(done.tokens[:max_tokens_cut(done.tokens, 4, pad)])
+    tok = spy[0]["runtime"].tokenizer
+    from mlx_dgemma.chat_template import parse_answer
+
+    text = parse_answer(tok.decode(kept)).answer
+    if json_out:
+        got = json.loads(out)
+        assert got["tokens"] == [t for t in kept if t != pad][:4] and len(got["tokens"]) <= 4
+        assert got["text"] == text and got["finish_reason"] == "length"
+    else:
+        assert out.rstrip("\n") == text and "[done] length" in err
+
+
+def test_max_tokens_cut_counts_no_padding():
+    from mlx_dgemma.sampler import max_tokens_cut
+
+    assert max_tokens_cut([5, 0, 6, 7], 2, 0) == 3  # 5, (pad), 6
+    assert max_tokens_cut([5, 6], 2, 0) == 2 and max_tokens_cut([5, 6, 7], None, 0) == 3
+    assert max_tokens_cut([0, 0, 0], 1, 0) == 3  # padding alone: nothing to cut
+
+
+def test_a_context_overflow_names_the_flag(capsys, clean_env):
+    # before: "... shorten the prompt or max_new_tokens" (the parameter, not the flag typed)
+    assert main(["generate", "--demo", "--prompt", "hi", "--max-tokens", "20000"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "exceed the context of" in line and line.endswith("shorten the prompt or --max-tokens"), line
+
+
 @pytest.mark.parametrize("argv", [["--prompt", "-"], ["--prompt-file", "-"], ["--prompt-file", "FILE"]])
 def test_prompt_from_stdin_or_a_file(argv, spy, capsys, monkeypatch, tmp_path, clean_env):
     text = "Why is the sky blue?\nAnswer in one line: é"
@@ -157,7 +197,8 @@ def test_prompt_source_errors(argv, expected, capsys, tmp_path, clean_env):
 
 def test_generate_uses_mlx_dgemma_model(tiny_model_dir, monkeypatch, capsys):
     monkeypatch.setenv("MLX_DGEMMA_MODEL", str(tiny_model_dir))
-    assert main(["generate", "--prompt", "hi", "--seed", "0", "--steps", "1", "--max-tokens", "32", "--json"]) == 0
+    assert main(["generate", "--prompt", "hi", "--seed", "0", "--steps", "1", "--max-tokens", "32", "--json",
+                 "--commit-entropy", "0"]) == 0  # one step never converges: no re-roll
     assert json.loads(capsys.readouterr().out)["steps"] == 1
 
 
@@ -270,6 +311,12 @@ def _run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProces
     (["chat", "--model", "/nonexistent/m.gguf"], None, 2),
     (["convert", "/nonexistent/m.gguf", "/tmp/mlx-dgemma-never-written"], None, 2),
     (["plan"], {"MLX_DGEMMA_MODEL": ""}, 2),
+    # no terminal (stderr is a pipe here): refused before Textual and MLX (5-14 s, issue 30)
+    (["chat", "--demo"], None, 2),
+    # exact is float32: the contradiction is refused before MLX (7.8 s, issue 30)
+    (["generate", "--demo", "--prompt", "hi", "--precision", "exact", "--dtype", "bfloat16"], None, 2),
+    (["chat", "--demo", "--precision", "exact", "--dtype", "float16"], None, 2),
+    (["serve", "--demo", "--precision", "exact", "--dtype", "bfloat16"], None, 2),
 ])
 def test_instant_start_imports_nothing_heavy(argv, env, code):
     r = _run(argv, env)

@@ -1,19 +1,32 @@
 """`mlx-dgemma doctor`: the machine report and the default-device-vs-CPU checks.
 
-This machine has no GPU, so the command compares MLX's CPU with itself (compiled vs eager step)
-and must say so; each check is shown to fail when the default device's numbers are corrupted
-(through ``perturb``, the comparison's own argument).
+These tests describe a machine without a GPU (CI's: MLX's CPU backend), where the command
+compares MLX's CPU with itself (compiled vs eager step) and must say so; each check is shown to
+fail when the default device's numbers are corrupted (through ``perturb``, the comparison's own
+argument). On a machine with a GPU (a Mac), MLX's CPU device stands in as the default device
+(``cpu_default``), so they test the same thing there; the GPU paths are faked where they are tested.
 """
 
 from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_dgemma import doctor
 from mlx_dgemma.cli import build_parser, main
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_default():
+    """MLX's default device is the CPU for these tests (already so without a GPU); module-scoped
+    and autouse, so it is in place before ``demo_outputs`` runs."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
 
 
 def doctor_args(*argv: str):
@@ -60,7 +73,8 @@ def test_json_schema_with_a_model(capsys, tiny_model_dir):
     cases = {c["case"] for c in r["checks"]}
     assert cases == {"demo", "tiny (first 2 layers)"}
     for c in r["checks"]:
-        assert set(c) == {"case", "precision", "check", "value", "threshold", "ok", "detail", "provisional", "label"}
+        assert set(c) == {"case", "precision", "check", "value", "threshold", "ok", "detail", "provisional",
+                          "model_fault", "label"}
         assert c["check"] in ("kv", "logits", "argmax") and c["ok"] is True
 
 
@@ -179,3 +193,99 @@ def test_full_run_with_the_real_shapes_layer(capsys):
     out = capsys.readouterr().out
     assert "ok   real-shapes layer, exact (float32): denoiser logits" in out
     assert "all 6 checks agree" in out
+
+
+# --------------------------------------------------------------------------------------------
+# --report FILE (issue 30, item 8) and the Metal rows (item 5), Metal simulated
+
+
+def test_report_file_holds_the_machine_plan_checks_and_timings(capsys, tmp_path, tiny_model_dir):
+    path = tmp_path / "report.json"
+    assert main(["doctor", "--quick", "--model", str(tiny_model_dir), "--report", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert f"report written to {path}" in err
+    r = json.loads(path.read_text())
+    m = r["machine"]
+    assert m["chip"] and m["ram_bytes"] > 0 and m["os"] and m["python"].startswith("CPython")
+    assert m["mlx"] == r["device"]["mlx_version"] and "MLX_ENABLE_TF32" in m
+    # the plan for the model, as `mlx-dgemma plan MODEL --json` prints it
+    assert [p["precision"] for p in r["plan"]["precisions"]] == ["exact", "fast", "q4", "q3"]
+    assert r["plan"]["model"] == str(tiny_model_dir)
+    assert r["ok"] is True and {c["case"] for c in r["checks"]} == {"demo", "tiny (first 2 layers)"}
+    timings = {t["case"]: t for t in r["timings"]}
+    assert set(timings) == {"demo", "tiny (first 2 layers)"}
+    for t in timings.values():
+        assert t["precision"] == "exact (float32)" and t["load_seconds"] > 0
+        assert t["prompt_tokens"] > 0 and t["prefill_tokens_per_second"] > 0
+        assert t["steps"] >= 1 and t["seconds_per_step"] > 0 and t["peak_memory_bytes"] > 0
+        assert t["answer_tokens_per_second"] >= 0 and t["answer_tokens"] >= 0
+    assert timings["demo"]["answer_tokens"] > 0 and timings["demo"]["answer_tokens_per_second"] > 0
+    assert timings["tiny (first 2 layers)"]["steps"] <= doctor.REPORT_MODEL_STEPS
+    assert "timing:        demo, exact (float32): load" in out  # the text report shows them too
+
+
+def test_a_failing_machine_still_writes_its_report(capsys, tmp_path):
+    path = tmp_path / "report.json"
+
+    def perturb(quantity: str, a: np.ndarray) -> np.ndarray:
+        return a * 1.001 if quantity == "logits" else a
+
+    args = doctor_args("--quick", "--report", str(path))
+    assert doctor.main(args, perturb=perturb) == 1
+    r = json.loads(path.read_text())
+    assert r["ok"] is False and r["failed"] == ["demo, exact (float32): denoiser logits"]
+    assert r["plan"] is None and [t["case"] for t in r["timings"]] == ["demo"]
+
+
+@pytest.mark.parametrize("make, says", [(lambda p: p, "is a directory"),
+                                        (lambda p: p / "no-such-dir" / "r.json", "does not exist")])
+def test_a_report_path_that_cannot_be_written_is_refused_before_any_check(capsys, tmp_path, make, says):
+    path = make(tmp_path)
+    assert main(["doctor", "--quick", "--report", str(path)]) == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if not line.startswith("[doctor")]
+    assert len(lines) == 1 and lines[0].startswith("mlx-dgemma doctor: error: --report ") and says in lines[0]
+    assert "demo" not in err and out == ""
+
+
+@pytest.fixture
+def simulated_metal(monkeypatch):
+    """An M5-class Mac on macOS 26.2 as MLX would describe it; the computation stays on the CPU."""
+    monkeypatch.setenv("MLX_ENABLE_TF32", "1")  # restored after the test
+    monkeypatch.delenv("MLX_ENABLE_TF32")
+    monkeypatch.setattr(doctor, "backend_name", lambda: "metal")
+    monkeypatch.setattr(doctor.mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(doctor.mx, "device_info", lambda: {
+        "device_name": "Apple M5", "architecture": "applegpu_g17s", "memory_size": 32 << 30,
+        "max_recommended_working_set_size": 24 << 30})
+    monkeypatch.setattr("platform.mac_ver", lambda: ("26.2", ("", "", ""), "arm64"))
+
+
+def test_a_nax_mac_gets_its_row_and_the_float32_matmul_check(capsys, simulated_metal):
+    import os
+
+    assert main(["doctor", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "matmul units:  NAX (applegpu_g17s, macOS 26.2+)" in out and "MLX_ENABLE_TF32=0" in out
+    assert "ok   device, exact (float32): float32 matmul" in out
+    assert os.environ["MLX_ENABLE_TF32"] == "0"  # set before the checks' first matmul
+
+
+def test_the_float32_matmul_check_fails_at_reduced_precision(capsys, simulated_metal):
+    def tf32(quantity: str, a: np.ndarray) -> np.ndarray:  # float32 inputs rounded to TF32's 10-bit mantissa
+        if quantity != "matmul":
+            return a
+        return a + np.random.default_rng(0).normal(0, 5e-4, a.shape) * np.abs(a).max()
+
+    assert doctor.main(doctor_args("--quick"), perturb=tf32) == 1
+    out = capsys.readouterr().out
+    assert "FAIL device, exact (float32): float32 matmul" in out and "exact is not exact here" in out
+
+
+def test_a_mac_without_nax_says_so(capsys, simulated_metal, monkeypatch):
+    monkeypatch.setattr(doctor.mx, "device_info", lambda: {
+        "device_name": "Apple M2", "architecture": "applegpu_g14g", "memory_size": 16 << 30,
+        "max_recommended_working_set_size": 11 << 30})
+    assert main(["doctor", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "matmul units:  no NAX (applegpu_g14g): float32 matmuls are IEEE float32" in out

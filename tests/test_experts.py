@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dgemma import model as model_mod
+from mlx_dgemma.switch_layers import gather_sort, scatter_unsort
 
 
 def test_sorted_and_unsorted_expert_dispatch_agree(monkeypatch):
@@ -28,9 +29,9 @@ def test_sorted_and_unsorted_expert_dispatch_agree(monkeypatch):
 def test_gather_sort_round_trip():
     x = mx.arange(5 * 16, dtype=mx.float32).reshape(5, 1, 1, 16)
     idx = mx.array([[3, 1], [0, 3], [2, 2], [1, 0], [3, 0]])
-    rows, ids, inv = model_mod._gather_sort(x, idx)
+    rows, ids, inv = gather_sort(x, idx)
     assert np.all(np.diff(np.array(ids)) >= 0)  # grouped by expert
     # Each sorted row is the token that chose that expert; unsorting restores token order.
-    back = np.array(model_mod._scatter_unsort(rows, inv, idx.shape))  # [5, 2, 1, 16]
+    back = np.array(scatter_unsort(rows, inv, idx.shape))  # [5, 2, 1, 16]
     expected = np.repeat(np.array(x)[:, None, 0], 2, axis=1)
     np.testing.assert_array_equal(back, expected)

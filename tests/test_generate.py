@@ -300,9 +300,9 @@ def test_logprobs_are_the_committing_steps_from_recomputed_logits(monkeypatch):
     calls: list[tuple] = []  # what each step was given: canvas, self-conditioning logits, temperature
     original = StepFunction.__call__
 
-    def spy(self, canvas, sc, temperature, key, history, cache, revealed=None):
+    def spy(self, canvas, sc, temperature, key, history, cache, revealed=None, held=None):
         calls.append((np.array(canvas), None if sc is None else np.array(sc), temperature, self.dtype, self.sc_top_k))
-        return original(self, canvas, sc, temperature, key, history, cache, revealed)
+        return original(self, canvas, sc, temperature, key, history, cache, revealed, held)
 
     monkeypatch.setattr(StepFunction, "__call__", spy)
     k = 4

@@ -88,8 +88,9 @@ def test_tool_json_of_ordinary_depth_is_served(served):
 def _flags(**kw):
     import argparse
 
-    base = dict(queue_size=1, max_body_mb=1.0, max_request_steps=1, max_request_seconds=None, max_connections=1,
-                header_timeout=1.0, api_key=None, cors=None)
+    base = dict(queue_size=1, parallel=1, max_body_mb=1.0, max_request_steps=1, max_request_seconds=None, max_connections=1,
+                header_timeout=1.0, body_timeout=1.0, api_key=None, cors=None, allowed_hosts=None,
+                host="127.0.0.1")
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -100,6 +101,10 @@ def _flags(**kw):
     # a browser's Origin has no path: the origin given itself was refused ("Disallowed CORS origin")
     ({"cors": ["http://app.example/"]}, "--cors http://app.example/"),
     ({"cors": ["https://app.example/chat?x"]}, "--cors https://app.example/chat?x"),
+    # a Host header's name never carries a scheme, a path or (as compared) a port
+    ({"allowed_hosts": ["http://my.box"]}, "--allowed-hosts http://my.box"),
+    ({"allowed_hosts": ["my.box:8080"]}, "--allowed-hosts my.box:8080"),
+    ({"body_timeout": 0.0}, "--body-timeout"),
 ])
 def test_flags_that_could_never_match_a_request_are_refused(flags, named):
     from mlx_dgemma.errors import ParameterError
@@ -113,7 +118,8 @@ def test_flags_that_could_never_match_a_request_are_refused(flags, named):
 def test_a_bare_origin_and_an_ascii_key_pass_the_checks():
     from mlx_dgemma.server.cli import check_args
 
-    check_args(_flags(api_key="s3cret key", cors=["http://app.example", "https://[::1]:8443", "*"]))
+    check_args(_flags(api_key="s3cret key", cors=["http://app.example", "https://[::1]:8443", "*"],
+                      allowed_hosts=["my.box", "10.0.0.2", "[::1]", "*"]))
 
 
 def test_a_request_dropped_before_it_ran_counts_as_cancelled():
@@ -142,12 +148,12 @@ def _tools(n: int, words: int) -> list[dict]:
     _tools(300, 50),  # 141 kB: too many bytes for the demo's 4096-token context whatever the tokenizer does
     _tools(16, 50),  # 9 kB, but 5151 tokens once rendered
 ], ids=["bytes", "tokens"])
-def test_tools_beyond_the_context_are_413_naming_the_tools(served, tools):
+def test_tools_beyond_the_context_are_context_errors_naming_the_tools(served, tools):
     # were blamed on the messages ("shorten the messages") though the messages are one word
     _, client = served
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "tools": tools,
                                                   "max_tokens": 4, "max_denoising_steps": 1})
-    assert r.status_code == 413, r.text
+    assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "tools" and err["code"] == "context_length_exceeded", err
     assert err["message"].startswith("tools: ") and "send fewer or shorter tools" in err["message"], err
@@ -157,7 +163,7 @@ def test_messages_beyond_the_context_beside_tools_are_still_named_messages(serve
     _, client = served
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a b c d e f " * 700}],
                                                   "tools": _tools(1, 1), "max_tokens": 4, "max_denoising_steps": 1})
-    assert r.status_code == 413, r.text
+    assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "messages" and err["message"].endswith("; shorten the messages"), err
 

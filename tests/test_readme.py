@@ -64,3 +64,13 @@ def test_readme_snippet_runs_as_pasted(index, tmp_path):
             server.wait(30)
     assert r.returncode == 0, f"README snippet {index} failed:\n{code}\n{r.stderr[-3000:]}"
     assert r.stdout.strip(), "the snippet printed nothing"
+
+
+def test_readme_curl_examples_declare_json():
+    # the server refuses a body not declared JSON (415), and `curl -d` alone declares a form
+    text = README.read_text(encoding="utf-8")
+    commands = re.findall(r"^curl .*?(?<!\\)$", text, re.M | re.S)
+    posts = [c for c in commands if re.search(r"\s(-d|--data\S*)\s", c)]
+    assert posts, "README's server section shows a curl request"
+    for c in posts:
+        assert "-H 'Content-Type: application/json'" in c, c

@@ -42,14 +42,15 @@ def calls(monkeypatch):
     seen: list[dict] = []
     real = mlx_dgemma.loader.open_model
 
-    def spy(model, demo, precision="auto", dtype=None, progress=None):
+    def spy(model, demo, precision="auto", dtype=None, progress=None, memory_limit=None):
         seen.append({"args": (model, demo, precision, dtype), "progress": 0})
 
         def counted(i, n, name):
             seen[-1]["progress"] += 1
             progress(i, n, name)
 
-        return real(model, demo, precision, dtype, progress=counted if progress else None)
+        return real(model, demo, precision, dtype, progress=counted if progress else None,
+                    memory_limit=memory_limit)
 
     monkeypatch.setattr(mlx_dgemma.loader, "open_model", spy)
     return seen

@@ -27,7 +27,7 @@ from mlx_dgemma.server.openai import Answer
 from tests.test_server import LiveServer, _Tok, _add, wait_for
 
 C = "/v1/chat/completions"
-HOLD = {"max_denoising_steps": 40, "stability_threshold": 10_000, "max_tokens": 64}  # holds the worker ~40 steps
+HOLD = {"max_denoising_steps": 40, "stability_threshold": 10_000, "commit_entropy": 0, "max_tokens": 64}  # holds the worker ~40 steps (no early commit)
 
 
 class Server(LiveServer):
@@ -56,7 +56,8 @@ def msg(text: str = "hi", **kw: Any) -> dict:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     s = Server(str(tmp_path_factory.mktemp("demo")), "--queue-size", "2", "--max-body-mb", "2",
-               "--max-request-steps", "400", "--max-connections", "12", "--header-timeout", "1")
+               "--max-request-steps", "400", "--max-connections", "12", "--header-timeout", "1",
+               "--body-timeout", "2", "--parallel", "1")
     try:
         s.wait_ready(300)
         yield s
@@ -67,7 +68,7 @@ def srv(tmp_path_factory):
 def send_raw_request(srv: LiveServer, body: dict) -> socket.socket:
     data = json.dumps(body)
     sock = socket.create_connection((srv.host, srv.port))
-    sock.sendall(f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST {C} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n{data}".encode())
     return sock
 
@@ -101,7 +102,9 @@ def test_overlong_prompt_is_refused_by_its_size_before_tokenizing():
     big = "word " * 20_000  # 100 kB: at least 100000 / 17 > 4096 tokens whatever the tokenizer does
     with pytest.raises(ContextLengthError) as err:
         e.prepare_chat([{"role": "user", "content": big}], False, {})
-    assert err.value.status == 413 and err.value.param == "messages" and "bytes" in err.value.message
+    assert err.value.status == 400 and err.value.param == "messages" and "bytes" in err.value.message
+    # the limit that applies is the context's (4096 tokens of at most 17 bytes), not the template's 4M characters
+    assert "maximum context length is 4096 tokens" in err.value.message and "at most 69632 bytes" in err.value.message
     with pytest.raises(ContextLengthError) as err:
         e.prepare_completion(big, {})
     assert err.value.param == "prompt"
@@ -121,7 +124,8 @@ def test_a_message_beyond_the_template_budget_is_named_not_the_template():
 def test_huge_prompt_does_not_stall_health(srv):
     t0 = time.perf_counter()
     status, _, body = post(srv, {"messages": [{"role": "user", "content": "x" * (1900 << 10)}]})
-    assert status == 413 and body["error"]["param"] == "messages" and "bytes" in body["error"]["message"]
+    assert status == 400 and body["error"]["param"] == "messages" and "bytes" in body["error"]["message"]
+    assert body["error"]["code"] == "context_length_exceeded"
     assert srv.raw("GET", "/health")[0] == 200
     assert time.perf_counter() - t0 < 30
 
@@ -129,29 +133,27 @@ def test_huge_prompt_does_not_stall_health(srv):
 # --------------------------------------------------------------------------- F2: silent clients, connection limit
 
 
-def test_silent_connections_are_closed_and_the_limit_refuses_cleanly(srv):
+def test_silent_connections_are_closed_and_make_room_for_newcomers(srv):
     idle(srv)
     silent = [socket.create_connection((srv.host, srv.port)) for _ in range(20)]  # over --max-connections 12
     try:
         for s in silent:
             s.settimeout(10)
-        # over the limit: refused at once with a 503 body; under it: closed after --header-timeout 1
-        answers = [s.recv(65536) for s in silent]
-        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
-        assert len(refused) >= 8 and all(b"too_many_connections" in a for a in refused), answers[:3]
-        assert all(s.recv(65536) == b"" for s in silent)  # every one closed (recv ends with EOF)
+        # over the limit, the oldest (they asked nothing) are closed without a word to make room;
+        # the others after --header-timeout 1: every one ends, none holds its place
+        assert all(s.recv(65536) == b"" for s in silent)
     finally:
         for s in silent:
             s.close()
     assert srv.raw("GET", "/health")[0] == 200
-    refusals = [ln for ln in srv.lines if "refused" in ln and "connection" in ln]
-    assert 1 <= len(refusals) <= 2, refusals  # rate-limited: not one line per connection
+    room = [ln for ln in srv.lines if "to make room" in ln and "connection" in ln]
+    assert 1 <= len(room) <= 2, room  # rate-limited: not one line per connection
 
 
 def test_stalled_body_is_answered_408(srv):
     sock = socket.create_connection((srv.host, srv.port))
     try:
-        sock.sendall(f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"POST {C} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      "Content-Length: 1000\r\n\r\n{\"messages\"".encode())
         sock.settimeout(15)
         data = b""
@@ -165,12 +167,17 @@ def test_stalled_body_is_answered_408(srv):
 # --------------------------------------------------------------------------- F3: the work budget, HEAD
 
 
-def test_work_budget_is_a_400_naming_the_field(srv):
+def test_work_budget_caps_the_blocks_and_refuses_only_a_block_beyond_it(srv):
     status, _, body = post(srv, msg(max_denoising_steps=10_000, stability_threshold=10_000, max_tokens=4032))
     assert status == 400 and body["error"]["param"] == "max_denoising_steps", body
     assert body["error"]["code"] == "work_budget_exceeded" and "--max-request-steps" in body["error"]["message"]
-    status, _, body = post(srv, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4032})
-    assert status == 400 and body["error"]["param"] == "max_tokens", body  # 48 default steps x 63 blocks
+    # more blocks than the budget pays for: capped like the context caps them (was a 400 to a
+    # client's default max_tokens)
+    e = _engine()  # a budget of 4096 steps
+    params = {"max_new_tokens": 4032, "max_denoising_steps": 64}
+    assert e.fit(10, params) is None and params["max_new_tokens"] == 4032  # 63 blocks x 64 steps fit
+    params = {"max_new_tokens": 4032, "max_denoising_steps": 128}
+    assert e.fit(10, params) == 32 * 64 and params["max_new_tokens"] == 32 * 64
 
 
 def test_head_on_get_routes(srv):
@@ -274,6 +281,7 @@ def test_lone_surrogate_is_a_400_naming_the_field(srv):
 @pytest.mark.parametrize("flags, named", [(["--max-body-mb", "inf"], "--max-body-mb"),
                                           (["--max-body-mb", "nan"], "--max-body-mb"),
                                           (["--max-request-seconds", "-1"], "--max-request-seconds"),
+                                          (["--parallel", "0"], "--parallel"),
                                           (["--header-timeout", "0"], "--header-timeout")])
 def test_bad_flags_fail_before_loading(tmp_path, flags, named):
     env = {**os.environ, "MLX_DGEMMA_CACHE": str(tmp_path)}
@@ -286,7 +294,9 @@ def test_bad_flags_fail_before_loading(tmp_path, flags, named):
 # --------------------------------------------------------------------------- signals
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+# SIGHUP (the terminal closed) as SIGTERM: it printed a traceback from inside the event loop and cut
+# streams off without their final event
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_signal_while_streaming_is_a_clean_stop(tmp_path, sig):
     s = Server(str(tmp_path))
     try:
@@ -327,7 +337,9 @@ def test_any_model_name_is_served_by_the_one_model(srv):
                                                                       "max_denoising_steps": 1})):
         status, _, answer = post(srv, body, path)
         assert status == 200 and answer["model"] == "mlx-dgemma-demo", answer
-    assert srv.raw("GET", "/v1/models/gpt-4o")[0] == 404  # the list and the lookup are unchanged
+    # and looked up: clients look a name up before they use it
+    status, _, card = srv.raw("GET", "/v1/models/gpt-4o")
+    assert status == 200 and card["id"] == "mlx-dgemma-demo" and card["max_model_len"] == 4096
 
 
 def test_response_format_is_refused_not_ignored(srv):
@@ -392,8 +404,11 @@ def test_api_key_and_cors(keyed):
 
 def test_max_request_seconds_answers_what_is_done(keyed):
     t0 = time.perf_counter()
-    status, _, body = keyed.raw("POST", C, json.dumps(msg("a long one", **HOLD)),
+    # more steps than the demo takes in 4 s on any machine: the first block is still in progress
+    status, _, body = keyed.raw("POST", C, json.dumps(msg("a long one", **{**HOLD, "max_denoising_steps": 400})),
                                 headers={"Authorization": "Bearer s3cret"})
     assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
-    assert time.perf_counter() - t0 < 30  # not the ~40 steps the request asked for
+    assert time.perf_counter() - t0 < 30  # not the 400 steps the request asked for
+    # the block in progress comes back as its latest draft (it was 0 tokens: the block had not finished)
+    assert body["usage"]["completion_tokens"] > 0, body
     assert wait_for(lambda: any("timeout=True" in ln for ln in keyed.request_lines()), 10)

@@ -241,8 +241,8 @@ def test_tool_choice_none_and_named(served):
 
 
 @pytest.mark.parametrize("patch, param", [
-    ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice"),  # a call, but no tool to call
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
     ({"messages": [{"role": "user", "content": "?"}, {"role": "tool", "tool_call_id": "zz", "content": "1"}]},
@@ -276,3 +276,141 @@ def test_the_demo_model_answers_a_request_with_tools(served):
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] in ("stop", "length", "tool_calls")
     assert r.json()["usage"]["completion_tokens"] <= 8
+
+
+# --------------------------------------------------------------------------- forced calls (issue 31)
+
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
+                                         "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                                                        "required": ["zone"]}}}
+
+
+def test_a_named_call_is_fixed_on_the_canvas_and_kept_when_it_validates(served, monkeypatch):
+    engine, client = served
+    script = Script(engine, [call_text("get_weather", city="Oslo", days=2)])
+    seen: list[Any] = []
+
+    def generate(prompt, **kw):
+        seen.append(kw.get("template"))
+        return script(prompt, **kw)
+
+    monkeypatch.setattr(engine.runtime, "generate", generate)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Oslo?"}],
+                                                  "tools": [WEATHER, TIME], "max_tokens": 128,
+                                                  "tool_choice": {"type": "function",
+                                                                  "function": {"name": "get_weather"}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo", "days": 2}
+    # one pass (the call validated), its opening fixed from the answer's first position on
+    (template,) = seen
+    assert [p for p, _ in template] == list(range(len(template)))
+    assert engine.tokenizer.decode([t for _, t in template]) == "<|tool_call>call:get_weather{"
+
+
+def test_a_call_that_does_not_validate_gets_one_repair_pass(served, monkeypatch):
+    engine, client = served
+    from mlx_dgemma.canvas import CanvasTemplate
+    from mlx_dgemma.server.toolcalls import Frame
+
+    frame = Frame.of(WEATHER)
+    tok = engine.tokenizer
+    template = CanvasTemplate.from_pieces(tok, frame.pieces)
+    (a, b), = frame.hole_spans(tok.encode)
+    # the repair pass' answer: the frame, its hole filled with the city and padding after it
+    filled = dict(template.fixed)
+    city = tok.encode("Rome")
+    answer = [filled[i] if i in filled else city[i - a] if a <= i < a + len(city) else 0 for i in range(template.end)]
+    texts = [call_text("get_weather", days=3), tok.decode(answer)]  # the first misses the required city
+    seen: list[Any] = []
+
+    def generate(prompt, **kw):
+        seen.append(kw.get("template"))
+        return Script(engine, [texts[len(seen) - 1]])(prompt, **kw)
+
+    monkeypatch.setattr(engine.runtime, "generate", generate)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Rome?"}],
+                                                  "tools": [WEATHER], "tool_choice": "required", "max_tokens": 256})
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Rome"}
+    assert len(seen) == 2 and [t for _, t in seen[1]] == [t for _, t in template.fixed]
+    assert tok.decode([t for _, t in seen[0]]) == "<|tool_call>call:"  # required: the model writes the name
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_demo_model_answers_a_forced_call_with_valid_arguments(served, seed):
+    # the real demo model (trained on the King James Bible, never on tool calls): the canvas
+    # holds the call's frame, so its arguments parse and validate against the schema
+    from mlx_dgemma.server.toolcalls import validate
+
+    _, client = served
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [WEATHER, TIME],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "seed": seed,
+        "max_denoising_steps": 4})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "get_weather" and validate(args, WEATHER["function"]["parameters"]) is None
+
+
+def test_a_required_call_names_a_declared_tool_on_the_demo_model(served):
+    _, client = served
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "What time is it in Tokyo?"}], "tools": [WEATHER, TIME],
+        "tool_choice": "required", "seed": 0, "max_denoising_steps": 4})
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] in ("get_weather", "get_time")
+    json.loads(call["function"]["arguments"])
+
+
+def test_the_schema_subset_tools_use():
+    from mlx_dgemma.server.toolcalls import validate
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}, "unit": {"enum": ["c", "f"]},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["n"], "additionalProperties": False}
+    assert validate({"n": 2, "unit": "c", "tags": ["a"]}, schema) is None
+    assert "required" in validate({}, schema)
+    assert "integer" in validate({"n": "2"}, schema) and "minimum" in validate({"n": 0}, schema)
+    assert "one of" in validate({"n": 1, "unit": "k"}, schema)
+    assert "tags[0]" in validate({"n": 1, "tags": [1]}, schema)
+    assert "not a declared property" in validate({"n": 1, "x": 1}, schema)
+    assert validate(True, {"type": "integer"}) is not None  # JSON's true is no integer
+
+
+def test_a_frame_reads_each_type_from_its_hole():
+    from mlx_dgemma.server.toolcalls import Frame
+
+    class Tok:  # one token per character; 0 is the padding (a special, skipped)
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def decode(self, ids, skip_special=False):
+            return "".join(chr(i) for i in ids if i or not skip_special)
+
+    tool = {"function": {"name": "f", "parameters": {"type": "object", "required": ["a", "b", "c", "d"],
+                                                     "properties": {"a": {"type": "string"}, "b": {"type": "integer"},
+                                                                    "c": {"type": "boolean"},
+                                                                    "d": {"type": "array", "items": {"type": "number"}}}}}}
+    frame = Frame.of(tool)
+    assert frame.holes == ["string", "integer", "boolean", "number"]
+    tok = Tok()
+    values = ["Oslo", "12x", "t", "-1.5"]
+    tokens: list[int] = []
+    holes = iter(values)
+    for p in frame.pieces:
+        if isinstance(p, str):
+            tokens += tok.encode(p)
+        else:
+            v = tok.encode(next(holes))[:p]
+            tokens += v + [0] * (p - len(v))
+    # the boolean's one position holds "t": not true/false, so it stays text (and fails validation)
+    assert frame.arguments(tokens, tok) == {"a": "Oslo", "b": 12, "c": "t", "d": [-1.5]}

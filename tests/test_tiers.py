@@ -71,7 +71,9 @@ def test_full_size_bytes_match_an_independent_count():
 def test_tier_recipes():
     assert target("exact", "layers.0.experts.gate_up_proj", "Q4_K", 30, 2816) is None
     assert target("fast", "layers.0.self_attn.q_proj", "Q4_K", 30, 2816) is None
-    assert target("fast", "embed_tokens", "Q6_K", 30, 2816) == Target(8, 32)
+    assert target("fast", "embed_tokens", "Q6_K", 30, 2816) == Target(8, 32, pairs=True)
+    assert target("fast", "layers.1.self_attn.v_proj", "Q3_K", 30, 2816) == Target(8, 32, pairs=True)
+    assert target("fast", "layers.1.self_attn.v_proj", "Q2_K", 30, 2816) == Target(8, 32)  # min-max and refits
     assert target("q4", "layers.7.experts.gate_up_proj", "Q4_K", 30, 2816) == Target(4, 128)
     assert target("q4", "layers.7.experts.down_proj", "Q5_0", 30, 704) == Target(4, 64)  # 704 % 128 != 0
     assert target("q3", "layers.7.experts.gate_up_proj", "Q4_K", 30, 2816) == Target(3, 128)
@@ -114,10 +116,69 @@ def test_requantizer_beats_mlx_quantize_on_real_blocks(gemma3_reader, bits, grou
     assert seen == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
 
 
-# -- one re-quantizer: GGUF, exact directory and converted tier hold the same numbers -----------
+def _reference_quantize_affine(w: np.ndarray, bits: int, group_size: int, refits: int = 2):
+    """The re-quantizer's formula written plainly over whole arrays (what tiers.quantize_affine
+    was before it worked block by block on threads): min-max, then least-squares refits."""
+    levels = (1 << bits) - 1
+    g = np.asarray(w, dtype=np.float32).reshape(*w.shape[:-1], -1, group_size)
+
+    def half(x):
+        return x.astype(np.float16)
+
+    def grid(s, b):
+        s32 = s.astype(np.float32)[..., None]
+        return np.clip(np.rint((g - b.astype(np.float32)[..., None]) / np.where(s32 == 0, 1, s32)), 0,
+                       levels).astype(np.uint8)
+
+    lo, hi = g.min(-1), g.max(-1)
+    scale, bias = half((hi - lo) / levels), half(lo)
+    q = grid(scale, bias)
+    for _ in range(refits):
+        qf = q.astype(np.float32)
+        n = group_size
+        sq, sw, sqq, sqw = qf.sum(-1), g.sum(-1), (qf * qf).sum(-1), (qf * g).sum(-1)
+        det = n * sqq - sq * sq
+        ok = det > 0
+        new_s = np.where(ok, (n * sqw - sq * sw) / np.where(ok, det, 1), scale)
+        scale, bias = half(new_s), half(np.where(ok, (sw - new_s * sq) / n, bias))
+        q = grid(scale, bias)
+    return q.reshape(w.shape), scale, bias
 
 
-@pytest.mark.parametrize("tier", ["q4", "q3"])
+def _reference_pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """MLX's layout written plainly: element j at bits [j*bits, (j+1)*bits) of the row."""
+    b = np.unpackbits(q[..., None], axis=-1, bitorder="little")[..., :bits]
+    return np.packbits(b.reshape(*q.shape[:-1], -1), axis=-1, bitorder="little").view(np.uint32)
+
+
+@pytest.mark.parametrize("bits,group", [(3, 128), (4, 64), (4, 128), (5, 64), (6, 64), (8, 32)])
+def test_requantizer_gives_the_plain_formulas_numbers_on_any_block_and_thread_count(monkeypatch, bits, group):
+    """The re-quantizer works block by block (in cache) on several threads, with integer sums
+    done by BLAS: every stored value is still the plain formula's, bit for bit, whatever the
+    block size, and so is every packed word."""
+    import mlx_dgemma.tiers as tiers
+
+    rng = np.random.default_rng(bits * group)
+    w = (rng.standard_normal((37, 3 * 128)) * rng.uniform(1e-3, 1, (37, 1))).astype(np.float32)
+    w[0, :group] = 0.25  # a constant group (det = 0: no refit)
+    want = _reference_quantize_affine(w, bits, group)
+    for block in (group, 5 * group, 1 << 16):
+        monkeypatch.setattr(tiers, "_BLOCK_ELEMENTS", block)
+        got = tiers.quantize_affine(w, bits, group)
+        for a, b in zip(want, got):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), block
+    r = tiers.requantize(w, Target(bits, group))
+    assert np.array_equal(r.weight, _reference_pack_bits(want[0], bits))
+    assert np.array_equal(tiers.unpack_bits(r.weight, bits), want[0])
+    err = dequantize(*want, group) - w
+    assert r.max_abs_error == float(np.abs(err).max())
+    assert r.sq_error == pytest.approx(float(np.square(err, dtype=np.float64).sum()), rel=1e-6)
+
+
+# -- one re-quantizer: GGUF, exact directory and converted form hold the same numbers -----------
+
+
+@pytest.mark.parametrize("tier", ["fast", "q4", "q3"])
 def test_tier_is_the_same_from_gguf_directory_and_conversion(tmp_path, tiny_gguf, tiny_model_dir, tier):
     out = tmp_path / tier
     report = convert(tiny_gguf, out, precision=tier)
@@ -128,15 +189,78 @@ def test_tier_is_the_same_from_gguf_directory_and_conversion(tmp_path, tiny_gguf
     c = load(out, precision=tier).model
     pa, pb, pc = (dict(tree_flatten(m.parameters())) for m in (a, b, c))
     assert pa.keys() == pb.keys() == pc.keys()
-    for k in pa:
+    same = list(pa)
+    if tier == "fast":  # the re-quantized weights; the others' float16 scales on disk are fast's on-disk form
+        types = json.loads((out / "config.json").read_text())["quantization"]
+        same = [k for k in pa if types.get(k.rsplit(".", 1)[0], {}).get("ggml_type") in ("Q3_K", "Q6_K")]
+        assert same
+    for k in same:
         assert mx.array_equal(pa[k], pb[k]) and mx.array_equal(pa[k], pc[k]), k
     bits = {p: bits for p, _, bits, _ in quantized_dtype_report(a)}
     layers = a.args.num_hidden_layers
-    assert bits["layers.1.experts.gate_up_proj"] == (4 if tier == "q4" else 3)
-    assert bits[f"layers.{layers - 1}.experts.gate_up_proj"] == 4
+    if tier == "fast":  # the Q6_K embedding re-quantized (fast's pairs), the Q4_K experts as stored
+        assert bits["embed_tokens"] == 8 and bits["layers.1.experts.gate_up_proj"] == 4
+    else:
+        assert bits["layers.1.experts.gate_up_proj"] == (4 if tier == "q4" else 3)
+        assert bits[f"layers.{layers - 1}.experts.gate_up_proj"] == 4
     assert loaded.precision.name == tier
     assert report.max_abs_error and max(report.max_abs_error.values()) > 0
     assert verify(out, tiny_gguf).ok
+
+
+def test_no_start_requantizes_the_form_its_directory_holds(tmp_path, tiny_gguf, tiny_model_dir, monkeypatch):
+    """A directory written by ``convert --precision P`` loads P as stored (its start re-quantizes
+    nothing), and so does a tier loaded from the .gguf (re-quantized once, as it is read)."""
+    import mlx_dgemma.precision as precision
+
+    def refuse(*a, **k):
+        raise AssertionError("re-quantized at load")
+
+    for tier in ("fast", "q4", "q3"):
+        convert(tiny_gguf, tmp_path / tier, precision=tier)
+    monkeypatch.setattr(precision, "requantize_stored", refuse)
+    for tier in ("fast", "q4", "q3"):
+        assert load(tmp_path / tier, precision=tier).precision.name == tier
+        assert load(tmp_path / tier).precision.name == tier  # auto: the stored form
+    assert load(tiny_gguf, precision="q4").precision.name == "q4"
+    with pytest.raises(AssertionError, match="re-quantized at load"):  # the check above can fail
+        load(tiny_model_dir, precision="fast")
+
+
+@pytest.mark.parametrize("tier", ["fast", "q4"])
+def test_requantizing_on_several_threads_changes_no_number(tmp_path, tiny_gguf, tiny_model_dir, monkeypatch, tier):
+    """Row chunks (convert) and slices (load) are re-quantized on threads and taken in order:
+    one thread or several, the same bytes on disk and the same arrays in memory."""
+    import mlx_dgemma.convert.tensors as tensors
+    import mlx_dgemma.tiers as tiers
+
+    monkeypatch.setattr(tensors, "_TIER_CHUNK_BYTES", 4096)  # several chunks a tensor at this size
+    files, params = [], []
+    for n in (1, 3):
+        monkeypatch.setattr(tiers, "workers", lambda n=n: n)
+        convert(tiny_gguf, tmp_path / f"{tier}-{n}", precision=tier)
+        files.append({f.name: f.read_bytes() for f in (tmp_path / f"{tier}-{n}").glob("*.safetensors")})
+        params.append(dict(tree_flatten(load(tiny_model_dir, precision=tier).model.parameters())))
+    assert files[0] == files[1]
+    assert all(mx.array_equal(params[0][k], params[1][k]) for k in params[0])
+
+
+def test_loads_that_convert_give_mlx_their_cache_back(tmp_path, tiny_gguf, tiny_model_dir):
+    """What a load that converts frees (the exact weights it replaced, its temporaries) was left
+    in MLX's buffer cache, counted against the device's memory until the process ends."""
+    import gc
+
+    for source, prec in ((tiny_model_dir, "fast"), (tiny_model_dir, "q3"), (tiny_gguf, "exact")):
+        gc.collect()  # earlier tests' arrays freed now, not during the load
+        mx.clear_cache()
+        gc.disable()
+        try:
+            rt = load(source, precision=prec)
+            assert mx.get_cache_memory() == 0, (source.name, prec)
+        finally:
+            gc.enable()
+        assert rt.precision.name == prec
+        del rt  # freed before the next load's check
 
 
 def test_tier_bytes_predicted_before_converting_match_the_files(tmp_path, tiny_gguf):
@@ -279,6 +403,7 @@ def test_model_that_does_not_fit_is_refused_before_loading(tiny_gguf, capsys, mo
         raise AssertionError("weights were read")
 
     monkeypatch.setattr(loader, "load_gguf", no_loading)
+    monkeypatch.setattr("mlx_dgemma.launch.need_terminal", lambda command="chat": None)  # as in a terminal
     code = main(["generate", "--model", str(tiny_gguf), "--prompt", "hi", "--memory-limit", "1MB"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
@@ -302,6 +427,7 @@ def test_demo_that_does_not_fit_is_refused_like_any_model(capsys, monkeypatch):
 
     for module, name in ((loader, "load_gguf"), (tui_app, "run_app"), (server, "main")):
         monkeypatch.setattr(module, name, started)
+    monkeypatch.setattr("mlx_dgemma.launch.need_terminal", lambda command="chat": None)  # as in a terminal
     for command in (["generate", "--prompt", "hi"], ["chat"], ["serve"]):
         code = main([*command, "--demo", "--memory-limit", "1KB"])
         err = capsys.readouterr().err.strip().splitlines()

@@ -787,6 +787,7 @@ def test_chat_command_takes_think_and_system(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(app_module, "run_app", lambda **kw: seen.update(kw) or 0)
+    monkeypatch.setattr("mlx_dgemma.launch.need_terminal", lambda command="chat": None)  # as in a terminal
     assert cli.main(["chat", "--demo", "--think", "--system", "Be brief."]) == 0
     assert seen["think"] is True and seen["system"] == "Be brief."
     assert cli.main(["chat", "--demo"]) == 0

@@ -34,10 +34,10 @@ RUNS = 6 if os.environ.get("MLX_DGEMMA_SLOW") == "1" else 2
 class Terminal:
     """The app in a pseudo-terminal of a fixed size, its output collected as it comes."""
 
-    def __init__(self, *args: str, rows: int = 30, cols: int = 120):
+    def __init__(self, *args: str, rows: int = 30, cols: int = 120, env: dict[str, str] | None = None):
         self.master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-        env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(cols), LINES=str(rows))
+        env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(cols), LINES=str(rows), **(env or {}))
         env.pop("TEXTUAL", None)
         exe = Path(sys.executable).with_name("mlx-dgemma")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mlx_dgemma.cli"]
@@ -138,3 +138,22 @@ def test_ctrl_q_while_the_model_loads_exits_cleanly():
     term.wait_for(b"loading")  # the load stops between tensors
     term.send(CTRL_Q)
     assert_clean_exit(term)
+
+
+def test_the_first_frame_and_ctrl_q_come_before_any_heavy_import(tmp_path):
+    """The app draws, loads the demo and quits on Ctrl+Q without importing transformers or torch
+    (issue 30: mlx-lm's package imported them, 4-6 s on a Mac before the first frame, while
+    Ctrl+Q was lost). Stand-ins for both on the path record any import of them and fail it."""
+    fakes, log = tmp_path / "fakes", tmp_path / "imported.txt"
+    for name in ("transformers", "torch"):
+        (fakes / name).mkdir(parents=True)
+        (fakes / name / "__init__.py").write_text(
+            f"with open({str(log)!r}, 'a') as f:\n    f.write({name!r} + '\\n')\n"
+            f"raise ImportError('{name} imported on the chat app\\'s path')\n")
+    path = os.pathsep.join(p for p in (str(fakes), os.environ.get("PYTHONPATH")) if p)
+    term = Terminal("chat", "--demo", env={"PYTHONPATH": path})
+    term.wait_for(b"loading")  # the first frame
+    term.wait_for(READY)  # the demo loaded on the worker thread
+    term.send(CTRL_Q)
+    assert_clean_exit(term)
+    assert not log.exists(), log.read_text()

@@ -166,3 +166,43 @@ def test_a_stop_right_after_a_job_is_taken_still_cancels_it():
     job = w.submit(lambda t: ran.append(t.cancelled))
     assert job.done.wait(10) and ran == [True]
     assert w.join(10)
+
+
+def test_jobs_take_turns_up_to_max_running():
+    # issue 31: a job that returns True has more to do and goes to the back of the rotation, so a
+    # short job waits for one turn of each running one, not for a long one's end
+    order: list[str] = []
+    gate = threading.Event()
+    w = ModelWorker(lambda: None, max_running=2)
+    w.start()
+    began = threading.Event()
+    hold = w.submit(lambda t: (began.set(), gate.wait(10)))  # keeps the worker while the others are queued
+    assert began.wait(10)
+    turns = {"long": 3}
+
+    def long(t):
+        order.append("long")
+        turns["long"] -= 1
+        return turns["long"] > 0
+
+    lt = w.submit(long)
+    short = w.submit(lambda t: order.append("short"))
+    third = w.submit(lambda t: order.append("third"))  # waits for room: two are taking turns
+    assert w.waiting == 3
+    gate.set()
+    assert all(t.done.wait(10) for t in (hold, lt, short, third))
+    assert order == ["long", "short", "long", "third", "long"]
+    assert w.completed == 4
+    w.stop()
+
+
+def test_a_job_cancelled_before_its_first_turn_never_runs():
+    gate, ran, skipped = threading.Event(), [], []
+    w = ModelWorker(lambda: None, max_running=3)
+    w.start()
+    w.submit(lambda t: gate.wait(10))
+    a = w.submit(lambda t: ran.append("a"), skipped=lambda t: skipped.append("a"))
+    a.cancel()
+    gate.set()
+    assert a.done.wait(10) and ran == [] and skipped == ["a"]
+    w.stop()

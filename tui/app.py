@@ -14,6 +14,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.reactive import reactive
 
+from mlx_dgemma.launch import need_terminal
 from mlx_dgemma.paths import configured_model, user_path
 
 from .engine import Backend, Engine, ModelBackend
@@ -43,8 +44,12 @@ class DGemmaApp(App):
         self.last_export: Path | None = None
         self.load_error: str | None = None  # set while the model could not be loaded
         self.engines: list[Engine] = []  # every engine started (a failed load leaves one, maybe still stopping)
+        self.signals: list[int] = []  # SIGINT/SIGTERM/SIGHUP received (run_app's _signals_end_app): the app exits
 
     def on_mount(self) -> None:
+        if self.signals:  # one came before the event loop ran
+            self.exit()
+            return
         if self.backend is None:
             from .screens.welcome import WelcomeScreen
 
@@ -136,67 +141,70 @@ class DGemmaApp(App):
         self.stop_engine()
 
 
-def _need_terminal() -> None:
-    """Refuse, in one line, to start without a terminal: Textual reads the keys from stdin and
-    draws on stderr, so with either redirected (a script, cron, ``< /dev/null``) the app drew
-    escape codes into a file and waited for keys that never came. Under ``mlx.launch`` rank 0's
-    keys arrive through the launcher's pipe (``launch.rank_terminal`` checks that terminal)."""
-    from mlx_dgemma.errors import ParameterError
-    from mlx_dgemma.launch import launched
-
-    if launched():
-        return
-    for name, stream in (("standard input", sys.__stdin__), ("standard error", sys.__stderr__)):
-        if stream is None or not stream.isatty():
-            raise ParameterError(f"the chat app needs a terminal and {name} is not one; run it in a terminal, "
-                                 "or from a script use `mlx-dgemma generate --prompt TEXT` (or `serve`)")
-
-
 @contextmanager
-def _sigint_raises() -> Iterator[None]:
-    """``kill -INT`` ends the app as SIGTERM does: KeyboardInterrupt, then the CLI's one line and
-    status 130. Left to asyncio.run (Textual's ``app.run``), SIGINT became a cancellation that
-    Textual took for a normal exit: status 0 and no word. (Ctrl+C typed in the app is a key.)"""
+def _signals_end_app(app: DGemmaApp) -> Iterator[None]:
+    """``kill -INT``, SIGTERM and SIGHUP end the app, then ``run_app`` raises the interrupt: the
+    CLI's one line, status 130 (128 + the signal for the others). The handler only notes the
+    signal and asks the app to exit: raised inside the event loop (as this did for SIGINT, and
+    terminate_as_interrupt's handler for the others), the interrupt landed in whichever task ran
+    and "Task exception was never retrieved" with its traceback followed the one line (3 of 20
+    ``kill -INT``). Left to asyncio.run, SIGINT became a cancellation that Textual took for a
+    normal exit: status 0 and no word. (Ctrl+C typed in the app is a key.)"""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield  # not ours to change (a test runner, an embedding app)
+    from mlx_dgemma.errors import raising_signals
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
 
-    def interrupt(signum, frame):  # not default_int_handler itself: asyncio.run would take that over
-        raise KeyboardInterrupt
+    def end(signum, frame):
+        app.signals.append(signum)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # the loop has not started (on_mount looks) or is over (run_app looks)
+            return
+        loop.call_soon_threadsafe(app.exit)  # the loop may sit in select: threadsafe wakes it
 
-    signal.signal(signal.SIGINT, interrupt)
+    # the signals that raise (an ignored one stays ignored); not default_int_handler: asyncio.run
+    # would take SIGINT over
+    old = {s: signal.signal(s, end) for s in raising_signals()}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def run_app(model: str | None = None, demo: bool = False, dtype: str | None = None,
-            precision: str = "auto", think: bool = False, system: str | None = None) -> int:
+            precision: str = "auto", think: bool = False, system: str | None = None,
+            memory_limit: int | None = None) -> int:
     """Run the chat app; the exit status is non-zero if the user quits with no model loaded.
-    ``think`` and ``system``: the thought channel and the system prompt to start with."""
+    ``think`` and ``system``: the thought channel and the system prompt to start with;
+    ``memory_limit``: ``--memory-limit`` in bytes (the load's and every answer's budget)."""
     from mlx_dgemma.errors import ModelFilesError
 
     from_env = not model and not demo
     model = str(user_path(model)) if model else (configured_model() if from_env else None)
     backend = ModelBackend(model=model, demo=demo, dtype=dtype, precision=precision, think=think,
-                           system=system) if (model or demo) else None
+                           system=system, memory_limit=memory_limit) if (model or demo) else None
     if model and not demo and not Path(model).exists():
         source = " (from MLX_DGEMMA_MODEL)" if from_env else ""
         raise ModelFilesError(f"{model}{source}: no such file or directory; give a .gguf file or a directory "
                               "written by `mlx-dgemma convert`")
-    _need_terminal()
+    need_terminal("chat")  # the command line asked already; a caller of run_app may not have
     app = DGemmaApp(backend)
     try:
-        with _sigint_raises():
+        with _signals_end_app(app):
             app.run()
     finally:
         app.stop_engine()  # however the app ended (Ctrl+Q has waited already: not twice as long)
         stopped = app.join_engine(1.0 if app.stopping else QUIT_WAIT_S)
+    if app.signals:
+        from mlx_dgemma.errors import as_interrupt
+
+        raise as_interrupt(app.signals[0])
     if app.load_error is not None:
         print(f"mlx-dgemma chat: error: {app.load_error}", file=sys.stderr)
     code = app.return_code or 0

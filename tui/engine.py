@@ -68,8 +68,10 @@ class ModelBackend:
     directly; under ``mlx.launch`` it first tells the other ranks (which follow it) each call."""
 
     def __init__(self, model: str | None = None, demo: bool = False, dtype: str | None = None,
-                 precision: str = "auto", think: bool = False, system: str | None = None):
+                 precision: str = "auto", think: bool = False, system: str | None = None,
+                 memory_limit: int | None = None):
         self.model_path, self.demo, self.dtype, self.precision = model, demo, dtype, precision
+        self.memory_limit = memory_limit  # --memory-limit: the load's and every answer's budget
         self.think, self.system = think, system or None
         self.runtime = None  # the ModelRuntime, once loaded
         self.tokenizer = None
@@ -86,7 +88,8 @@ class ModelBackend:
         if self.demo:
             progress("loading the demo model")
         runtime = open_model(self.model_path, self.demo, self.precision, self.dtype,
-                             progress=lambda i, n, name: progress(f"loading {i}/{n} {name}"))
+                             progress=lambda i, n, name: progress(f"loading {i}/{n} {name}"),
+                             memory_limit=self.memory_limit)
         self.tokenizer = runtime.tokenizer
         self.generation_config = dict(runtime.generation_config)
         self.canvas_length = runtime.model.args.canvas_length

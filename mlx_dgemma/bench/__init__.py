@@ -34,9 +34,9 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_dgemma.errors import ParameterError, Terminated
-from mlx_dgemma.paths import user_path
+from mlx_dgemma.paths import EMPTY, OutputFile, check_output_file, empty_path, open_output, user_path
 
-from .configs import CONFIGS, CONTEXT, build, random_inputs
+from .configs import CONFIGS, CONTEXT, build, model_paths, random_inputs
 from .flops import dense_matmul_gflops, step_flops
 from .isolate import CHILD_TIMEOUT, isolated
 from .measure import measure_hf, measure_mlx_vlm, measure_ours
@@ -120,7 +120,7 @@ class Plan:
     extras: list[str]
     precisions: list[str]
     workdir: Path
-    json: Path
+    json: OutputFile
 
 
 def _items(flag: str, value: str, allowed: tuple[str, ...], what: str, none_ok: bool = True) -> list[str]:
@@ -132,18 +132,6 @@ def _items(flag: str, value: str, allowed: tuple[str, ...], what: str, none_ok: 
         raise ParameterError(f"{flag}: {f'unknown {what} {unknown[0]!r}' if unknown else f'no {what} in {value!r}'}"
                              f"; choose from {', '.join(allowed)}{' (or none)' if none_ok else ''}")
     return list(dict.fromkeys(items))
-
-
-def _check_writable_file(flag: str, path: Path) -> None:
-    """``path`` can be (re)written: not a directory, its directory exists and is writable."""
-    if path.is_dir():
-        raise ParameterError(f"--{flag} {path}: is a directory; give a file name, e.g. {path / 'bench.json'}")
-    parent = path.parent
-    if not parent.is_dir():
-        raise ParameterError(f"--{flag} {path}: the directory {parent} does not exist; create it or give "
-                             "another file name")
-    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ParameterError(f"--{flag} {path}: not writable; give a file name in a directory you can write")
 
 
 def _check_workdir(path: Path) -> None:
@@ -190,9 +178,14 @@ def check_args(args: argparse.Namespace) -> Plan:
         raise ParameterError(f"--dtype {args.dtype}: sets the dtype of fast precision, which --precisions "
                              f"{args.precisions!r} does not measure (exact is float32); add fast to "
                              "--precisions or leave --dtype out")
-    workdir, out = user_path(args.workdir), user_path(args.json)
+    if empty_path(args.workdir):  # not ".": the current directory filled with random models
+        raise ParameterError(f"--workdir {args.workdir!r}: {EMPTY}; give a directory (the random models are cached "
+                             "there)")
+    workdir = user_path(args.workdir)
     _check_workdir(workdir)
-    _check_writable_file("json", out)
+    # never over the random models this run reads (cached in --workdir)
+    inputs = [p for n in names for p in model_paths(n, workdir, args.canvas)]
+    out = check_output_file(args.json, "--json", inputs, example="bench.json")
     return Plan(names, peers, extras, precisions, workdir, out)
 
 
@@ -303,21 +296,20 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] | None = None,
 
 class JsonWriter:
     """Rewrites the JSON file whole (a temporary file renamed over it) each time it is called,
-    so the file is always complete: what had finished when a run stopped."""
+    so the file is always complete: what had finished when a run stopped. A FIFO or device
+    (``--json /dev/stdout`` into a pipe) gets the result once, when the run ends (``final``):
+    each rewrite there would be another document after the last."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, out: OutputFile):
+        self.out = out
         self.result: dict | None = None
 
-    def __call__(self, result: dict) -> None:
+    def __call__(self, result: dict, final: bool = False) -> None:
         self.result = result
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        try:
-            tmp.write_text(json.dumps(result, indent=2) + "\n")
-            os.replace(tmp, self.path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise ParameterError(f"--json {self.path}: cannot write ({e.strerror or e})") from None
+        if self.out.in_place and not final:
+            return
+        with open_output(self.out) as f:
+            f.write(json.dumps(result, indent=2) + "\n")
 
 
 def _finished_rows(result: dict | None) -> int:
@@ -343,13 +335,13 @@ def main(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return code
         writer.result["interrupted"] = True
-        writer(writer.result)
+        writer(writer.result, final=True)
         print(table(writer.result))
         rows = _finished_rows(writer.result)
         kept = f"the {rows} finished row(s)" if rows else "the matmul probe (no row had finished)"
-        print(f"mlx-dgemma bench: interrupted; kept {kept} in {plan.json}", file=sys.stderr)
+        print(f"mlx-dgemma bench: interrupted; kept {kept} in {plan.json.given}", file=sys.stderr)
         return code
-    writer(result)
+    writer(result, final=True)
     print(table(result))
-    print(f"\nwrote {plan.json}", file=sys.stderr)
+    print(f"\nwrote {plan.json.given}", file=sys.stderr)
     return 0

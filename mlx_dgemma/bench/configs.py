@@ -30,18 +30,29 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def _spec(name: str, canvas: int | None) -> dict[str, Any]:
+    spec = dict(CONFIGS[name])
+    if canvas is not None:  # 0 and negative values are refused by the bench's flag check
+        spec["canvas_length"] = canvas
+    return spec
+
+
+def model_paths(name: str, workdir: Path, canvas: int | None) -> tuple[Path, Path]:
+    """(GGUF, converted directory) of a config in ``workdir``: the files :func:`build` caches
+    there and the bench reads (its ``--json`` may not be one of them)."""
+    tag = f"{name}-c{_spec(name, canvas)['canvas_length']}"
+    return workdir / f"{tag}.gguf", workdir / tag
+
+
 def build(name: str, workdir: Path, canvas: int | None) -> tuple[Path, Path]:
     """Random Q4_K_M GGUF of a config and its exact conversion (cached in ``workdir``)."""
     # imported here: `mlx-dgemma --help` builds the bench's arguments without the converter
     from mlx_dgemma.convert.converter import convert
     from mlx_dgemma.convert.synthetic import TinySpec, write_tiny_gguf
 
-    spec = dict(CONFIGS[name])
-    if canvas is not None:  # 0 and negative values are refused by the bench's flag check
-        spec["canvas_length"] = canvas
-    tag = f"{name}-c{spec['canvas_length']}"
-    gguf = workdir / f"{tag}.gguf"
-    out = workdir / tag
+    spec = _spec(name, canvas)
+    gguf, out = model_paths(name, workdir, canvas)
+    tag = out.name
     workdir.mkdir(parents=True, exist_ok=True)
     if not gguf.is_file():  # written aside and renamed: a failed or stopped write is never reused
         part = workdir / f".{tag}.gguf.part"

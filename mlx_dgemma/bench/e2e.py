@@ -401,6 +401,7 @@ def main(args: argparse.Namespace) -> int:
     """``mlx-dgemma bench --e2e``: run, print the table, write the JSON."""
     from mlx_dgemma.demo import demo_file
     from mlx_dgemma.errors import ParameterError
+    from mlx_dgemma.paths import check_output_file, open_output
 
     models = [m.strip() for m in (args.e2e_models or "").split(",") if m.strip()] or [str(demo_file())]
     for m in models:
@@ -409,9 +410,11 @@ def main(args: argparse.Namespace) -> int:
     if not 1 <= args.e2e_prompts <= len(PROMPTS):
         raise ParameterError(f"--e2e-prompts {args.e2e_prompts}: must be in [1, {len(PROMPTS)}]")
     prompts = list(PROMPTS[: args.e2e_prompts])
+    out = check_output_file(args.json, "--json", models, example="e2e.json")  # never over a model it runs
     result = run_e2e(models, prompts, list(range(len(prompts))), timeout=args.child_timeout,
                      interleave=getattr(args, "e2e_interleave", False))
     print(e2e_table(result))
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    with open_output(out) as f:
+        f.write(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.json}", file=sys.stderr)
     return 0

@@ -65,12 +65,10 @@ def _child(conn: Any, fn_name: str, kwargs: dict, timeout: float) -> None:
 
 
 def _available_bytes() -> int | None:
-    """The machine's available memory (Linux MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
+    """The machine's available memory (Linux MemAvailable, macOS vm_stat), or None where unknown."""
+    from mlx_dgemma.memory import system_available_bytes  # no MLX: the parent stays light
+
+    return system_available_bytes()
 
 
 def isolated(fn_name: str, timeout: float | None = None, min_available_bytes: int | None = None,

@@ -2,13 +2,18 @@
 
 - :mod:`.schemas`: the request bodies (pydantic; the sampler fields' ranges are the core's);
 - :mod:`.openai`: the answer as the client sees it, stream deltas, response objects;
-- :mod:`.engine`: requests shaped for the core and run on its model worker;
+- :mod:`.shaping`: requests checked and shaped for the core (context, work budget, tools);
+- :mod:`.toolcalls`: forced tool calls held on the canvas, their arguments checked and repaired;
+- :mod:`.engine`: requests run on the core's model worker, taking turns at block boundaries;
 - :mod:`.app`: the FastAPI app (lifespan, ``app.state.engine`` via ``Depends``, error handlers,
-  request log, body limit);
-- :mod:`.cli`: the flags, the listening socket, the connection guard, uvicorn.
+  request log, CORS, the request guard, body limit);
+- :mod:`.guard`: who may talk to the server (Host, Origin, API key, Content-Type; the connection
+  guard: room for newcomers, deadlines, malformed HTTP as JSON);
+- :mod:`.cli`: the flags, the listening socket, uvicorn.
 
-Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /health`` (GET routes answer HEAD too). Errors are OpenAI-style JSON objects.
+Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (each also
+without ``/v1``), ``GET /props``, ``GET /metrics``, ``GET /health`` (GET routes answer HEAD too).
+Errors are OpenAI-style JSON objects.
 Names are imported lazily: ``mlx-dgemma --help`` loads :mod:`.cli` only, not FastAPI.
 """
 

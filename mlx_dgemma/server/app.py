@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, the error handlers, the request log and the body limit.
+"""The FastAPI application: routes, the error handlers, the request log, the request guard
+(:mod:`mlx_dgemma.server.guard`'s rules: Host, Origin, API key, Content-Type) and the body limit.
 
 The :class:`~mlx_dgemma.server.engine.Engine` lives in ``app.state.engine`` and reaches the
 routes through ``Depends(get_engine)``; the lifespan starts it (unless the command line
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,9 +29,12 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from .engine import Engine, Job, normalize_messages, tools_for
+from .engine import Engine, Job
 from .errors import APIError
+from .guard import refusal
 from .openai import Deltas, Formatter, model_card, sse
+from .shaping import check_last_message, normalize_messages, tools_for
+from .toolcalls import Forced
 from .schemas import ChatRequest, CompletionRequest, Sampling
 
 log = logging.getLogger("mlx_dgemma.server")
@@ -46,26 +49,16 @@ class Settings:
     """The HTTP side's settings (the command line's flags)."""
 
     max_body_bytes: int = 16 << 20
-    read_timeout: float = 10.0  # a request body that stalls this long is answered 408
+    body_timeout: float = 30.0  # a request body not received whole this long after its head is answered 408
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on every route but /health
-    cors_origins: tuple[str, ...] = ()  # origins browsers may call from (none: CORS off)
+    cors_origins: tuple[str, ...] = ()  # origins browsers may call from (none: CORS off, any Origin refused)
+    # Host names answered besides loopback ones (None: any Host; the command line checks it on a loopback bind)
+    allowed_hosts: tuple[str, ...] | None = None
 
 
 def get_engine(request: Request) -> Engine:
     """The running engine (``Depends`` target)."""
     return request.app.state.engine
-
-
-def require_api_key(request: Request) -> None:
-    """With ``--api-key``: the request must carry it as a bearer token (401 otherwise)."""
-    key = request.app.state.settings.api_key
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
-        raise APIError(401, "Authorization: missing or wrong API key; send 'Authorization: Bearer <key>' "
-                       "with the key the server was started with (--api-key)", code="invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})
 
 
 def _log_info(request: Request) -> dict[str, Any]:
@@ -82,7 +75,9 @@ def _param(loc: tuple[Any, ...]) -> str:
     return out
 
 
-BODY_MODELS = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest}
+BODY_MODELS = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest,
+               "/chat/completions": ChatRequest, "/completions": CompletionRequest}
+ROUTES = "/v1/models, /v1/chat/completions, /v1/completions (each also without /v1), /props, /health, /metrics"
 
 
 def validation_error(exc: RequestValidationError, raw: bytes | None, model: type | None = None) -> APIError:
@@ -128,8 +123,8 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
 
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
     if e.status_code == 404:
-        return _error(APIError(404, f"{request.method} {request.url.path}: no such route; see /v1/models, "
-                               "/v1/chat/completions, /v1/completions, /health, /metrics", code="unknown_url"))
+        return _error(APIError(404, f"{request.method} {request.url.path}: no such route; see {ROUTES}",
+                               code="unknown_url"))
     if e.status_code == 405:
         return _error(APIError(405, f"{request.method} {request.url.path}: method not allowed",
                                code="method_not_allowed"))
@@ -203,18 +198,38 @@ class RequestLog:
             fields = [f"{k}={v}" for k, v in (job.stats if job else {}).items() if v is not None]
             if "error" in info:
                 fields.append(f"error={info['error']}")
+            if scope.get("path") == "/health" and scope.get("method") in ("GET", "HEAD") and status[0] in (200, 503):
+                return  # probes every few seconds would bury the requests' lines
             log.info("%s %s %s %.3fs %s", scope.get("method"), scope.get("path"), status[0] or "-",
                      time.perf_counter() - t0, " ".join(fields))
+
+
+class Guard:
+    """Before routing and before the body is read: a request that ``guard.refusal`` refuses
+    (Host, Origin, API key, Content-Type) is answered with its error; inside CORS, so that a
+    preflight is answered by CORS and an allowed page can read a 401."""
+
+    def __init__(self, app: Any, settings: Settings):
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            s = self.settings
+            e = refusal(scope, allowed_hosts=s.allowed_hosts, origins=s.cors_origins, api_key=s.api_key)
+            if e is not None:
+                scope.setdefault(LOG_INFO, {})["error"] = e.code
+                return await _error(e)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:
     """Reads a request body up to ``max_body_bytes`` before routing: beyond it, 413 (the rest
     is read and dropped so that the client can read the answer; past MAX_DRAIN_BYTES the
-    connection is closed). The body is then replayed to the app, which reads it as JSON
-    whatever its Content-Type (``curl -d`` sends a form type)."""
+    connection is closed). The whole body must arrive within ``body_timeout`` seconds (a total,
+    not a gap between bytes: 408). The body is then replayed to the app."""
 
-    def __init__(self, app: Any, max_body_bytes: int, read_timeout: float):
-        self.app, self.limit, self.read_timeout = app, max_body_bytes, read_timeout
+    def __init__(self, app: Any, max_body_bytes: int, body_timeout: float):
+        self.app, self.limit, self.body_timeout = app, max_body_bytes, body_timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
@@ -224,12 +239,17 @@ class BodyLimit:
         too_big = bool(declared.isdigit() and int(declared) > self.limit)
         body = bytearray()
         seen = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
+        whole = False
         while True:
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout)
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
-                e = APIError(408, f"body: nothing received for {self.read_timeout:g} s; send the whole body at once",
-                             code="request_timeout")
+                if too_big:  # what the client must hear is the size, not the pace
+                    break
+                e = APIError(408, f"body: not received whole within {self.body_timeout:g} s (--body-timeout); "
+                             "send the whole body at once", code="request_timeout")
                 scope.setdefault(LOG_INFO, {})["error"] = e.code
                 response = _error(e)
                 response.headers["connection"] = "close"
@@ -244,16 +264,18 @@ class BodyLimit:
             elif seen > MAX_DRAIN_BYTES:
                 break
             if not message.get("more_body", False):
+                whole = True
                 break
         if too_big:
             e = APIError(413, f"body: {max(seen, int(declared or 0))} bytes is over the limit of {self.limit}; "
                          "send a smaller request (or start the server with a larger --max-body-mb)",
                          code="body_too_large")
             scope.setdefault(LOG_INFO, {})["error"] = e.code
-            return await _error(e)(scope, receive, send)
+            response = _error(e)
+            if not whole:  # the rest is not read
+                response.headers["connection"] = "close"
+            return await response(scope, receive, send)
         scope[RAW_BODY] = bytes(body)
-        scope["headers"] = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"] + \
-            [(b"content-type", b"application/json")]
         replayed = False
 
         async def _receive() -> dict:
@@ -268,45 +290,71 @@ class BodyLimit:
 
 # --------------------------------------------------------------------------- routes
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
-open_router = APIRouter()  # no key needed: liveness probes
+router = APIRouter()
+open_router = APIRouter()  # no key needed (guard.OPEN_PATHS): liveness probes
 
 
 @open_router.api_route("/health", methods=["GET", "HEAD"])
 async def health(engine: Engine = Depends(get_engine)) -> JSONResponse:
-    ok = engine.alive
-    return JSONResponse({"status": "ok" if ok else "down", "model": engine.model_id,
-                         "precision": engine.precision, "busy": engine.busy,
+    """200 ``ok`` once the model is loaded and warmed up; 503 ``loading`` before, ``down`` after a stop."""
+    alive = engine.alive
+    status = "down" if not alive else "ok" if engine.ready.is_set() else "loading"
+    return JSONResponse({"status": status, "model": engine.model_id,
+                         "precision": engine.precision, "busy": engine.busy, "running": engine.worker.in_progress,
                          "queued": engine.waiting, "served": engine.served,
                          "reused_prefixes": engine.reused_prefixes, "memory_bytes": engine.memory_bytes},
-                        status_code=200 if ok else 503)
+                        status_code=200 if status == "ok" else 503)
+
+
+def _card(engine: Engine) -> dict[str, Any]:
+    return model_card(engine.model_id, engine.created, engine.context)
 
 
 @router.api_route("/v1/models", methods=["GET", "HEAD"])
+@router.api_route("/models", methods=["GET", "HEAD"], include_in_schema=False)
 async def models(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(engine.model_id, engine.created)]}
+    return {"object": "list", "data": [_card(engine)]}
 
 
 @router.api_route("/metrics", methods=["GET", "HEAD"])
 async def metrics(engine: Engine = Depends(get_engine)) -> Response:
-    """Prometheus text format: the engine's counters and gauges."""
-    lines = []
-    for name, kind, value, help_text in engine.metrics():
-        lines += [f"# HELP mlx_dgemma_{name} {help_text}", f"# TYPE mlx_dgemma_{name} {kind}",
-                  f"mlx_dgemma_{name} {value}"]
-    return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    """Prometheus text format: the engine's counters, gauges and latency histograms."""
+    return Response(engine.metrics_text(), media_type="text/plain; version=0.0.4")
 
 
 @router.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+@router.api_route("/models/{model_id:path}", methods=["GET", "HEAD"], include_in_schema=False)
 async def model(model_id: str, engine: Engine = Depends(get_engine)) -> dict[str, Any]:
-    if model_id != engine.model_id:
-        raise _unknown_model(engine, model_id)
-    return model_card(engine.model_id, engine.created)
+    """Any name: the one model answers every name (chat and completions accept any, clients
+    hard-code names and look them up first)."""
+    return _card(engine)
 
 
-def _unknown_model(engine: Engine, name: str) -> APIError:
-    return APIError(404, f"model: {name!r} is not served here; use {engine.model_id!r} (GET /v1/models)",
-                    param="model", code="model_not_found")
+@router.api_route("/props", methods=["GET", "HEAD"])
+async def props(engine: Engine = Depends(get_engine)) -> dict[str, Any]:
+    """llama.cpp's server properties (what editors read the context length from), with the
+    diffusion model's own: its canvas, the sampler's defaults, the server's limits."""
+    lim = engine.limits
+    return {"model_alias": engine.model_id, "model_path": engine.model_path or engine.model_id,
+            "total_slots": engine.worker.max_running, "chat_template": engine.tokenizer.chat_template or "",
+            "default_generation_settings": {"n_ctx": engine.context, "model": engine.model_id,
+                                            "params": {k: v for k, v in engine.generation_config.items()
+                                                       if isinstance(v, (int, float, str, bool, list))}},
+            "modalities": {"vision": False, "audio": False},
+            "diffusion": {"canvas_length": engine.canvas, "precision": engine.precision,
+                          "max_request_steps": lim.max_request_steps, "max_request_seconds": lim.max_request_seconds,
+                          "parallel": engine.worker.max_running, "queue_size": lim.queue_size}}
+
+
+@router.api_route("/v1/responses", methods=["GET", "POST"])
+@router.api_route("/responses", methods=["GET", "POST"], include_in_schema=False)
+async def responses() -> None:
+    """OpenAI's Responses API is not served: its state (stored responses, previous_response_id)
+    and its streaming event protocol are a second API; half of one would mislead an agent
+    framework more than a clear pointer to the one that is complete here."""
+    raise APIError(404, "/v1/responses: the Responses API is not served here; use /v1/chat/completions (openai-agents: "
+                   "set_default_openai_api('chat_completions') or OpenAIChatCompletionsModel; other clients: their "
+                   "chat-completions or 'openai-compatible' provider)", code="unknown_url")
 
 
 def _thinking(body: ChatRequest) -> bool:
@@ -320,28 +368,29 @@ def _thinking(body: ChatRequest) -> bool:
 
 
 @router.post("/v1/chat/completions")
+@router.post("/chat/completions", include_in_schema=False)
 async def chat_completions(body: ChatRequest, request: Request, engine: Engine = Depends(get_engine)) -> Response:
     # any model name is served by the one model (clients hard-code names); responses name ours
     messages = normalize_messages(body.messages)
     tools = tools_for(body.tools, body.tool_choice)
-    last = len(messages) - 1
-    if messages[-1]["role"] not in ("user", "tool"):
-        raise APIError(400, f"messages[{last}].role: the last message must be the user's or a tool's "
-                       f"(got {messages[-1]['role']!r})", param=f"messages[{last}].role")
-    if messages[-1]["role"] == "user" and not messages[-1]["content"].strip():
-        raise APIError(400, f"messages[{last}].content: empty; give some text", param=f"messages[{last}].content")
+    forced = Forced.of(tools, body.tool_choice)
+    continued = check_last_message(messages)
+    if continued and forced is not None:
+        raise APIError(400, "tool_choice: a forced call cannot continue an assistant message; leave the last "
+                       "assistant message out (or tool_choice)", param="tool_choice")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     thinking = _thinking(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = engine.sampler_overrides(body, max_tokens)
-    await run_in_threadpool(engine.prepare_chat, messages, thinking, params, tools)
+    await run_in_threadpool(engine.prepare_chat, messages, thinking, params, tools, continued)
     return await _submit(request, engine, "chat", body, messages, _answer_cap(params), params, thinking, tools,
-                         logprobs)
+                         logprobs, forced, continued)
 
 
 @router.post("/v1/completions")
+@router.post("/completions", include_in_schema=False)
 async def completions(body: CompletionRequest, request: Request, engine: Engine = Depends(get_engine)) -> Response:
     params = engine.sampler_overrides(body, body.max_tokens)
     ids = await run_in_threadpool(engine.prepare_completion, body.prompt, params)
@@ -356,10 +405,10 @@ def _answer_cap(params: dict[str, Any]) -> int | None:
 
 async def _submit(request: Request, engine: Engine, kind: str, body: Sampling, prompt: Any, max_tokens: int | None,
                   params: dict[str, Any], thinking: bool, tools: list[dict[str, Any]] | None = None,
-                  logprobs: int | None = None) -> Response:
+                  logprobs: int | None = None, forced: Forced | None = None, continued: bool = False) -> Response:
     job = Job(kind, prompt, params, max_tokens, body.stop, thinking,
               bool(body.diffusion and body.diffusion.stream_steps), asyncio.get_running_loop(), tools=tools,
-              logprobs=logprobs)
+              logprobs=logprobs, forced=forced, continued=continued)
     fmt = Formatter(kind, engine.model_id)
     job.stats["id"] = fmt.id  # the log line names the response's id
     _log_info(request)["job"] = job
@@ -488,7 +537,8 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     app.include_router(open_router)
     app.include_router(router)
-    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, read_timeout=settings.read_timeout)
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, body_timeout=settings.body_timeout)
+    app.add_middleware(Guard, settings=settings)
     if settings.cors_origins:
         app.add_middleware(CORS, allow_origins=list(settings.cors_origins),
                            allow_methods=["GET", "HEAD", "POST", "OPTIONS"], allow_headers=["*"], max_age=600)

@@ -1,5 +1,5 @@
 """``mlx-dgemma serve``: the server's flags, their checks (all before the model loads), the
-listening socket, the connection guard, and uvicorn.
+listening socket, and uvicorn with the connection guard (:mod:`mlx_dgemma.server.guard`).
 
 This module imports nothing heavy at its top (``mlx-dgemma --help`` builds every parser);
 the model flags (``--model``, ``--demo``, precision) are the command line's shared ones,
@@ -14,41 +14,54 @@ import math
 import os
 import socket
 import sys
-import time
 import urllib.parse
 from typing import Any
 
 from mlx_dgemma.errors import DGemmaError, ParameterError, hold_interrupts
+from mlx_dgemma.server.guard import SURGE, check_host_names, guarded_protocol, is_loopback
 
-log = logging.getLogger("mlx_dgemma.server")
-
-REFUSAL_LOG_SECONDS = 10.0  # refused connections are logged at most once per this many seconds
+API_KEY_ENV = "MLX_DGEMMA_API_KEY"  # the key when --api-key is not given
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The server's own flags (the model flags come from ``mlx_dgemma.cli``)."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
-    p.add_argument("--queue-size", type=int, default=16,
-                   help="requests that may wait behind the running one before 503 (default 16)")
+    p.add_argument("--queue-size", type=int, default=64,
+                   help="requests that may wait for their first turn before 503 (default 64)")
+    p.add_argument("--parallel", type=int, default=4, metavar="N",
+                   help="requests that take turns on the model, one block each (default 4; each holds its "
+                        "own KV cache): a short request waits for a block of each, not for a long one")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MB (default 16)")
     p.add_argument("--model-id", help="the model name clients send (default: the file or directory name)")
     p.add_argument("--max-request-steps", type=int, default=4096, metavar="N",
-                   help="work budget of one request: denoising steps x blocks (default 4096); more is a 400")
-    p.add_argument("--max-request-seconds", type=float, default=None, metavar="S",
-                   help="stop a request's generation after S seconds, answering what is done with "
-                        "finish_reason 'length' (default: no limit)")
+                   help="work budget of one request: denoising steps x blocks (default 4096); an answer "
+                        "asking for more blocks is capped, finish_reason 'length'")
+    p.add_argument("--max-request-seconds", type=float, default=300.0, metavar="S",
+                   help="stop a request's generation once it has had S seconds of the model's time, answering "
+                        "what is done (the block in progress as its latest draft) with finish_reason 'length' "
+                        "(default 300; 0: no limit)")
     p.add_argument("--max-connections", type=int, default=256, metavar="N",
-                   help="open connections at most; more are refused with 503 and closed (default 256)")
+                   help="connections kept open (default 256): past N, the oldest that carry no whole request "
+                        "(silent, idle, still sending) are closed to make room; a newcomer is refused with 503 "
+                        "only when every connection carries a request being answered")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                         "$MLX_DGEMMA_API_KEY, else none)")
     p.add_argument("--cors", action="append", default=None, metavar="ORIGIN",
                    help="let browser pages from ORIGIN call the API (repeat it, or '*' for any; default: "
-                        "none, so that a web page cannot drive a local server)")
+                        "none: a request with any other Origin is refused, so that a web page cannot drive "
+                        "a local server)")
+    p.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME",
+                   help="answer requests whose Host header is NAME (repeat it, or '*' for any): on a loopback "
+                        "--host only localhost, 127.x.x.x and [::1] are answered by default (against DNS "
+                        "rebinding); on another --host every name is, unless this is given")
     p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
-                   help="close a connection that has not sent a whole request head within S seconds, "
-                        "and a body that stalls for S seconds (default 10)")
+                   help="a request head must arrive whole within S seconds, else the connection is closed "
+                        "(default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="a request body must arrive whole within S seconds of its head, else 408 and the "
+                        "connection is closed (default 30)")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -62,16 +75,33 @@ def check_args(args: argparse.Namespace) -> None:
     finite("--max-body-mb", args.max_body_mb, 0.001, 1e6)
     if args.max_request_steps < 1:
         raise ParameterError(f"--max-request-steps {args.max_request_steps}: must be at least 1")
+    if args.parallel < 1:
+        raise ParameterError(f"--parallel {args.parallel}: must be at least 1")
     if args.max_request_seconds is not None:
-        finite("--max-request-seconds", args.max_request_seconds, 0.001, 1e9)
+        finite("--max-request-seconds", args.max_request_seconds, 0, 1e9)
     if args.max_connections < 1:
         raise ParameterError(f"--max-connections {args.max_connections}: must be at least 1")
     finite("--header-timeout", args.header_timeout, 0.1, 3600)
+    finite("--body-timeout", args.body_timeout, 0.1, 3600)
+    try:
+        check_host_names(args.allowed_hosts or [])
+    except ValueError as e:
+        raise ParameterError(f"--allowed-hosts {e}: must be a host name or address as clients type it (no scheme, "
+                             "port or path), or '*' for any") from None
+    if not args.host.strip():  # bind("") is every interface: never what an empty value meant
+        raise ParameterError(f"--host {args.host!r}: an empty address; give 127.0.0.1 (this machine only, the "
+                             "default) or 0.0.0.0 (every network interface)")
+    source = "--api-key"
+    if args.api_key is None and API_KEY_ENV in os.environ:  # set, even empty: checked like the flag
+        args.api_key, source = os.environ[API_KEY_ENV], f"${API_KEY_ENV}"
     key = args.api_key
+    if key is not None and not key.strip():  # an empty key must not mean "no key" without a word
+        raise ParameterError(f"{source}: empty; give the key clients must send"
+                             + (f", or unset {API_KEY_ENV} to serve without one" if source != "--api-key" else ""))
     # HTTP trims a header's ends, and clients send non-ASCII header values as UTF-8 (curl), refuse
     # them (httpx, the openai client) or as Latin-1 (requests): such a key would lock most clients out
-    if key is not None and (not key.strip() or not key.isprintable() or not key.isascii() or key != key.strip()):
-        raise ParameterError("--api-key: must be a non-empty printable ASCII string without spaces at its ends")
+    if key is not None and (not key.isprintable() or not key.isascii() or key != key.strip()):
+        raise ParameterError(f"{source}: must be a non-empty printable ASCII string without spaces at its ends")
     for origin in args.cors or ():
         if origin == "*":
             continue
@@ -83,12 +113,9 @@ def check_args(args: argparse.Namespace) -> None:
                                  f"such as {bare}")
 
 
-LOOPBACK = ("127.", "::1", "localhost")
-
-
 def host_warning(host: str, api_key: str | None) -> str | None:
     """A line for a server reachable from other machines without a key, else None."""
-    if api_key is None and not host.startswith(LOOPBACK):
+    if api_key is None and not is_loopback(host):
         return (f"mlx-dgemma serve: warning: listening on {host} without --api-key: anyone who can reach "
                 "this port can use the model")
     return None
@@ -110,14 +137,14 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def _raise_fd_limit(connections: int) -> None:
-    """Open files: room for ``connections`` plus the model's files and the log (raised up to the
-    hard limit); where that is not possible, refuse the flag: past the limit every accept fails
-    and asyncio logs each failure, thousands of lines a second."""
+    """Open files: room for ``connections`` and the guard's surge of newcomers, plus the model's
+    files and the log (raised up to the hard limit); where that is not possible, refuse the flag:
+    past the limit every accept fails and asyncio logs each failure, thousands of lines a second."""
     try:
         import resource
     except ImportError:  # not POSIX
         return
-    want = connections + 64
+    want = connections + SURGE + 64
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= want:
         return
@@ -128,84 +155,8 @@ def _raise_fd_limit(connections: int) -> None:
         target = soft
     if target < want:
         raise ParameterError(f"--max-connections {connections}: this process may open only {target} files "
-                             f"(ulimit -n); lower --max-connections to at most {max(1, target - 64)} or raise the limit")
-
-
-class _RefusalLog:
-    """Counts refused connections and logs them at most once per REFUSAL_LOG_SECONDS (a flood
-    of clients must not become a flood of log lines)."""
-
-    def __init__(self) -> None:
-        self.count, self.last = 0, -math.inf
-
-    def note(self, why: str) -> None:  # on the event loop's thread only
-        self.count += 1
-        now = time.monotonic()
-        if now - self.last >= REFUSAL_LOG_SECONDS:
-            log.warning("refused %d connection(s): %s (logged at most every %g s)", self.count, why,
-                        REFUSAL_LOG_SECONDS)
-            self.count, self.last = 0, now
-
-
-def guarded_protocol(max_connections: int, header_timeout: float) -> type:
-    """uvicorn's h11 protocol with a connection limit (over it: a 503 and close, logged at
-    most every few seconds) and a timeout for a request head (silent or slow clients are
-    closed, so they cannot hold connections and file descriptors)."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    body = b'{"error":{"message":"server busy: too many open connections; retry later","type":"server_error",' \
-           b'"param":null,"code":"too_many_connections"}}'
-    refusal = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-               b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    refused = _RefusalLog()
-
-    class GuardedH11Protocol(H11Protocol):
-        _refused = False
-        _head_timer: Any = None
-
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            if len(self.connections) >= max_connections:
-                self._refused, self.transport = True, transport
-                transport.write(refusal)
-                transport.close()
-                refused.note(f"{max_connections} connections are open (--max-connections)")
-                return
-            super().connection_made(transport)
-            self._arm()
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._head_timer = self.loop.call_later(header_timeout, self._head_timeout)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_timeout(self) -> None:
-            self._head_timer = None
-            # IDLE: the request head is not complete yet (a silent or a slow client)
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()
-
-        def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return
-            if self._head_timer is None and self.conn.their_state is h11.IDLE:
-                self._arm()  # the first bytes of a request on a kept-alive connection
-            super().data_received(data)
-
-        def on_response_complete(self) -> None:
-            self._disarm()  # between requests the keep-alive timeout applies
-            super().on_response_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            if not self._refused:
-                super().connection_lost(exc)
-
-    return GuardedH11Protocol
+                             f"(ulimit -n); lower --max-connections to at most {max(1, target - SURGE - 64)} "
+                             "or raise the limit")
 
 
 def _settings(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -213,10 +164,20 @@ def _settings(args: argparse.Namespace) -> tuple[Any, Any]:
     from .engine import Limits
 
     limits = Limits(queue_size=args.queue_size, max_request_steps=args.max_request_steps,
-                    max_request_seconds=args.max_request_seconds)
-    settings = Settings(max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.header_timeout,
-                        api_key=args.api_key, cors_origins=tuple(args.cors or ()))
+                    max_request_seconds=args.max_request_seconds or None, parallel=args.parallel)
+    # the Host is checked on a loopback bind (DNS rebinding), elsewhere only where names are given
+    hosts = check_host_names(args.allowed_hosts or [])
+    settings = Settings(max_body_bytes=int(args.max_body_mb * (1 << 20)), body_timeout=args.body_timeout,
+                        api_key=args.api_key, cors_origins=tuple(args.cors or ()),
+                        allowed_hosts=hosts if hosts or is_loopback(args.host) else None)
     return limits, settings
+
+
+def _memory_limit(args: argparse.Namespace) -> int | None:
+    """--memory-limit in bytes (checked by the memory plan before this), or None."""
+    from mlx_dgemma.plan import parse_size
+
+    return parse_size(args.memory_limit) if getattr(args, "memory_limit", None) else None
 
 
 def follow(args: argparse.Namespace) -> int:
@@ -233,14 +194,12 @@ def follow(args: argparse.Namespace) -> int:
     from .engine import load_model
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_follower(load_model(args.model, args.demo, args.dtype, args.precision), "serve")
+    run_follower(load_model(args.model, args.demo, args.dtype, args.precision, _memory_limit(args)), "serve")
 
 
 def main(args: argparse.Namespace) -> int:
     """``mlx-dgemma serve``: check the flags, listen, load the model, serve until interrupted."""
-    if args.api_key is None:
-        args.api_key = os.environ.get("MLX_DGEMMA_API_KEY") or None
-    check_args(args)
+    check_args(args)  # --api-key, else $MLX_DGEMMA_API_KEY
     from mlx_dgemma.loader import check_model_choice
 
     check_model_choice(args.model, args.demo)
@@ -260,7 +219,8 @@ def main(args: argparse.Namespace) -> int:
         from .engine import Engine
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-        engine = Engine(args.model, args.demo, args.dtype, args.precision, args.model_id, limits)
+        engine = Engine(args.model, args.demo, args.dtype, args.precision, args.model_id, limits,
+                        memory_limit=_memory_limit(args))
     try:
         engine.start()
     except DGemmaError as e:
@@ -271,19 +231,46 @@ def main(args: argparse.Namespace) -> int:
         print(f"mlx-dgemma serve: error: {e}", file=sys.stderr, flush=True)
         os._exit(e.exit_code)
 
+    import signal
+    import threading
+    from collections.abc import Iterator
+    from contextlib import contextmanager
+
+    from mlx_dgemma.errors import raising_signals
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:  # the first signal: answer every open request now
                 engine.begin_shutdown()
             super().handle_exit(sig, frame)
 
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # SIGHUP stops the server as SIGTERM does (uvicorn takes SIGINT and SIGTERM only): left
+            # to terminate_as_interrupt's handler it raised inside whatever the event loop ran (a
+            # traceback; once inside a request's log call, and the server ran on) and streams were
+            # cut off without their shutdown event. uvicorn raises it again once stopped, which
+            # main's `except KeyboardInterrupt` takes. An ignored SIGHUP (nohup) stays ignored.
+            with super().capture_signals():
+                hup = getattr(signal, "SIGHUP", None)
+                if threading.current_thread() is not threading.main_thread() or hup not in raising_signals():
+                    yield
+                    return
+                old = signal.signal(hup, self.handle_exit)
+                try:
+                    yield
+                finally:
+                    signal.signal(hup, old)
+
     try:
         with hold_interrupts():  # until uvicorn takes the signals over in server.run
             app = create_app(engine, settings)
-            # keep-alive 30 s: clients that reuse a connection between turns rarely find it closed
+            # keep-alive 30 s: clients that reuse a connection between turns rarely find it closed;
+            # no WebSocket protocol: an upgraded connection would leave the guard (limit, deadlines)
             config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10,
-                                    timeout_keep_alive=30,
-                                    http=guarded_protocol(args.max_connections, args.header_timeout))
+                                    timeout_keep_alive=30, ws="none",
+                                    http=guarded_protocol(args.max_connections, args.header_timeout,
+                                                          args.body_timeout, engine.connection_refused))
             config.load()  # its imports (protocols, loop) here, not in server.run before the signals are taken
             server = Server(config)
     except KeyboardInterrupt:

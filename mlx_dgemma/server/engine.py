@@ -1,9 +1,17 @@
-"""The server's side of the model: requests checked and shaped for the core (handler threads,
-no MLX), and their generation on the core's :class:`~mlx_dgemma.worker.ModelWorker` (the
-one thread that owns the model), reported to the request's event loop as it goes.
+"""The server's side of the model: requests run on the core's
+:class:`~mlx_dgemma.worker.ModelWorker` (the one thread that owns the model), taking turns at
+block boundaries, and reported to each request's event loop as they go. The checks and the
+shaping of a request before it gets here are :mod:`.shaping`'s; forced tool calls are
+:mod:`.toolcalls`'.
 
 A chat request whose messages extend the previous conversation continues that
 :class:`~mlx_dgemma.ChatSession`, so only the new turn is prefilled.
+
+Fair sharing: a request's generation is a generator that the worker advances one block (or one
+prefill chunk) per turn; after each turn it goes to the back of the worker's rotation, so up to
+``Limits.parallel`` requests take turns and a short request waits for one block of each running
+one, not for the whole of a long one (under ``mlx.launch`` one at a time: every rank must run
+the same generation). Each request holds its own KV cache while it takes turns.
 """
 
 from __future__ import annotations
@@ -17,16 +25,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from mlx_dgemma.chat_template import RENDER_CHARS, THOUGHT_OPEN, parse_answer, render_chat, template_for_tools
-from mlx_dgemma.errors import DGemmaError, ParameterError
+from mlx_dgemma.chat_template import TOOL_CALL_CLOSE, ToolCall, parse_answer, render_chat
+from mlx_dgemma.errors import DGemmaError
 from mlx_dgemma.worker import ModelWorker, Ticket, WorkerBusy, WorkerStopped
 
-from .errors import APIError, ContextLengthError
+from . import toolcalls
+from .errors import APIError
 from .openai import Answer, Result, marker_ids
-from .schemas import MAX_JSON_DEPTH, NOT_FINITE, SAMPLER_FIELDS, Message, Sampling, finite_json, json_depth
+from .shaping import Limits, Shaping, normalize_messages, plain_chat, tools_for  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     from mlx_dgemma.runtime import Runtime
@@ -34,8 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("mlx_dgemma.server")
 
 DEMO_MODEL_ID = "mlx-dgemma-demo"
-MIN_TEMPERATURE_FACTOR = 0.01  # temperature 0 -> the schedule scaled by this (near-greedy)
-GREEDY_SEED = 0  # temperature 0 without a seed: a fixed seed, so that the answer is reproducible
+WARM_UP_STEPS = 2  # the warm-up's steps: the first traces the step without self-conditioning, the second with it
+# /metrics' latency buckets (seconds), from an answer in a block to a request that waits minutes
+BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 @dataclass
@@ -56,9 +66,15 @@ class Job:
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # the worker is done with it
     submitted: bool = False  # it reached the worker's queue (a refused job never will)
     answered: bool = False  # the result was emitted (the worker may still be committing the cache)
-    started: float = 0.0  # perf_counter when the worker took it
+    started: float = 0.0  # perf_counter when the worker gave it its first turn
     tools: list[dict[str, Any]] | None = None  # declared to the template; the answer's calls are parsed
     logprobs: int | None = None  # report the answer's log-probabilities, with this many top tokens each
+    forced: toolcalls.Forced | None = None  # tool_choice named or "required": the answer is a call
+    continued: bool = False  # the last message is the assistant's: the answer goes on with it
+    submitted_at: float = 0.0  # perf_counter when it was queued
+    model_s: float = 0.0  # the model's time it has had, over its turns (--max-request-seconds counts this)
+    turn_started: float = 0.0
+    work: Iterator[None] | None = None  # its generation, one block per turn
 
     def emit(self, kind: str, payload: Any = None) -> None:
         try:
@@ -73,14 +89,17 @@ class Job:
             pass
 
 
-def load_model(model: str | None, demo: bool, dtype: str | None, precision: str) -> Runtime:
+def load_model(model: str | None, demo: bool, dtype: str | None, precision: str,
+               memory_limit: int | None = None) -> Runtime:
     """The one place the server loads a model: the core's ``open_model`` (``--model`` or
-    ``--demo``, ``--precision`` and ``--dtype``), with a loading bar on stderr."""
+    ``--demo``, ``--precision``, ``--dtype`` and ``--memory-limit``: the plan's and every
+    request's memory budget), with a loading bar on stderr."""
     from mlx_dgemma.loader import open_model
     from mlx_dgemma.progress import ProgressBar
 
     bar = ProgressBar("loading", unit="tensors", scale=1)
-    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name))
+    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name),
+                      memory_limit=memory_limit)
 
 
 def model_id_of(path: str | None) -> str:
@@ -92,77 +111,25 @@ def model_id_of(path: str | None) -> str:
     return p.stem if p.suffix == ".gguf" else p.name
 
 
-def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """OpenAI messages -> the template's {'role', 'content'}: 'developer' is 'system', earlier
-    assistant turns lose their thought channel (and any reasoning_content the client sent).
+class Histogram:
+    """A Prometheus histogram of seconds (cumulative buckets, sum, count); updated on the worker
+    thread, read by /metrics (a slightly stale read is harmless)."""
 
-    Tool calls reach the template as transformers passes them (``arguments`` a mapping, not
-    JSON text); a tool message carries its function's ``name`` (given, or that of the call
-    its ``tool_call_id`` answers), which the template's tool-response format needs."""
-    out: list[dict[str, Any]] = []
-    calls: dict[str, str] = {}  # tool_call_id -> function name, from earlier assistant messages
-    for i, m in enumerate(messages):
-        role = "system" if m.role == "developer" else m.role
-        content = m.content
-        if role == "assistant" and (THOUGHT_OPEN in content or "<turn|>" in content):
-            content = parse_answer(content).answer
-        msg: dict[str, Any] = {"role": role, "content": content}
-        if m.tool_calls and role == "assistant":
-            msg["tool_calls"] = []
-            for j, c in enumerate(m.tool_calls):
-                where = f"messages[{i}].tool_calls[{j}].function.arguments"
-                try:
-                    args = json.loads(c.function.arguments) if c.function.arguments.strip() else {}
-                    too_deep = json_depth(args) > MAX_JSON_DEPTH
-                except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python parses
-                    raise APIError(400, f"{where}: not valid JSON ({e}); send the arguments as a JSON object",
-                                   param=where) from None
-                except RecursionError:  # json's decoder recurses: a thousand nested brackets end it
-                    too_deep = True
-                if too_deep:
-                    raise APIError(400, f"{where}: nested more than {MAX_JSON_DEPTH} levels deep; flatten it",
-                                   param=where)
-                if not finite_json(args):
-                    raise APIError(400, f"{where}: {NOT_FINITE}", param=where)
-                if not isinstance(args, dict):
-                    raise APIError(400, f"{where}: expected a JSON object, got {type(args).__name__}", param=where)
-                calls[c.id] = c.function.name
-                msg["tool_calls"].append({"id": c.id, "type": "function",
-                                          "function": {"name": c.function.name, "arguments": args}})
-        if role == "tool":
-            name = m.name or calls.get(m.tool_call_id or "")
-            if not name:
-                where = f"messages[{i}].tool_call_id"
-                raise APIError(400, f"{where}: {m.tool_call_id!r} answers no tool call of an earlier assistant "
-                               "message; give the id of the call (or the function's name)", param=where)
-            msg.update(name=name, tool_call_id=m.tool_call_id)
-        out.append(msg)
-    return out
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.sum = 0.0
 
+    def observe(self, seconds: float) -> None:
+        i = next((i for i, b in enumerate(BUCKETS) if seconds <= b), len(BUCKETS))
+        self.counts[i] += 1
+        self.sum += seconds
 
-def tools_for(tools: list[Any] | None, tool_choice: Any) -> list[dict[str, Any]] | None:
-    """The tools the template declares: none with tool_choice "none", only the named one with a
-    named function (a name not among ``tools`` is a 400)."""
-    if not tools or tool_choice == "none":
-        return None
-    out = [t.model_dump(exclude_none=True) for t in tools]
-    if isinstance(tool_choice, dict):
-        name = tool_choice["function"]["name"]
-        out = [t for t in out if t["function"]["name"] == name]
-        if not out:
-            raise APIError(400, f"tool_choice.function.name: {name!r} is not among the request's tools",
-                           param="tool_choice.function.name")
-    return out
-
-
-TOOLS_FIX = "send fewer or shorter tools (or tool_choice naming the one to use)"
-
-
-def plain_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
-    """A conversation the core's ChatSession continues: no tools, only user/assistant text
-    turns ending with the user's."""
-    return not tools and messages[-1]["role"] == "user" and \
-        all(m["role"] in ("system", "user", "assistant") and not m.get("tool_calls") for m in messages)
+    def lines(self, name: str) -> list[str]:
+        out, total = [], 0
+        for b, n in zip((*BUCKETS, math.inf), self.counts):
+            total += n
+            out.append(f'{name}_bucket{{le="{"+Inf" if b == math.inf else b}"}} {total}')
+        return out + [f"{name}_sum {round(self.sum, 6)}", f"{name}_count {total}"]
 
 
 class Timings:
@@ -215,16 +182,7 @@ class Timings:
                                                                      self.canvas * self.steps)}}
 
 
-@dataclass
-class Limits:
-    """What one request may ask of the worker."""
-
-    queue_size: int = 16  # requests that may wait behind the running one
-    max_request_steps: int = 4096  # denoising steps x blocks per request (the work budget)
-    max_request_seconds: float | None = None  # a request's generation stops after this (None: never)
-
-
-class Engine:
+class Engine(Shaping):
     """The model behind the server: a :class:`ModelWorker` and what requests need to know.
 
     ``model`` and ``tokenizer`` are read by request handlers only for pure-Python work
@@ -232,8 +190,10 @@ class Engine:
     """
 
     def __init__(self, model_path: str | None = None, demo: bool = False, dtype: str | None = None,
-                 precision: str = "auto", model_id: str | None = None, limits: Limits | None = None):
+                 precision: str = "auto", model_id: str | None = None, limits: Limits | None = None,
+                 memory_limit: int | None = None):
         self.limits = limits or Limits()
+        self.memory_limit = memory_limit  # --memory-limit: the load's and every request's budget
         self.model_path, self.demo, self.dtype_name, self.precision_name = model_path, demo, dtype, precision
         self.precision = ""  # the label of what was loaded, e.g. "fast (bfloat16)"
         self.memory_bytes = 0  # memory in use after the last load or job (read on the worker: MLX stays there)
@@ -248,19 +208,52 @@ class Engine:
         self.served = 0
         self.reused_prefixes = 0
         self.stopping = False
+        self.ready = threading.Event()  # loaded and warmed up: /health says ok from then on
         self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "steps": 0,
-                       "cancelled": 0, "refused": 0}
+                       "cancelled": 0, "refused": 0, "connections_refused": 0, "tool_repairs": 0}
+        self.latency = {"queue": Histogram(), "first_block": Histogram(), "total": Histogram()}
         self._session: Any = None  # the last conversation's ChatSession, if reusable
+        self._session_busy = False  # a running request is using the session (others render afresh)
         self.runtime: Any = None  # the core's ModelRuntime: every rank runs the model calls (lockstep)
         self._durations: deque[float] = deque(maxlen=32)  # seconds of recent jobs (for Retry-After)
         self.worker: ModelWorker[None] = ModelWorker(self._load, max_waiting=self.limits.queue_size,
                                                      name="mlx-dgemma-engine", finish=self._finish)
 
     # lifecycle ------------------------------------------------------------
-    def start(self) -> "Engine":
-        """Start the worker and wait until the model is loaded (load errors are raised here)."""
+    def start(self, warm_up: bool = True) -> "Engine":
+        """Start the worker and wait until the model is loaded (load errors are raised here); then
+        queue the warm-up (:meth:`warm_up`), which requests wait behind. ``ready`` is set once it ran."""
         self.worker.start()
+        if warm_up:
+            self.warm_up()
+        else:
+            self.ready.set()
         return self
+
+    def warm_up(self) -> None:
+        """Run one short answer on the worker before saying ready: MLX traces the step's graphs
+        (without and with self-conditioning) and compiles its kernels there, so the first
+        request does not pay for it (54 s against 4 s warm, on a fresh kernel cache). A failure
+        is logged; the server is ready all the same."""
+        generate = self.runtime.generate  # the runtime's own, whatever a test later puts in its place
+
+        def run(ticket: Ticket) -> None:
+            t0 = time.perf_counter()
+            try:
+                text = render_chat([{"role": "user", "content": "Hello"}], self.tokenizer.chat_template)
+                for _ in generate(self.tokenizer.encode(text), chat=False, cancel=ticket.cancel_event.is_set,
+                                  max_new_tokens=self.canvas, max_denoising_steps=WARM_UP_STEPS, seed=0):
+                    pass
+                log.info("warmed up in %.2fs", time.perf_counter() - t0)
+            except Exception:  # noqa: BLE001 - a server that cannot warm up can still answer
+                log.exception("warm-up failed")
+            finally:
+                self.ready.set()
+
+        try:
+            self.worker.submit(run, skipped=lambda t: self.ready.set(), bypass_limit=True)
+        except WorkerStopped:
+            self.ready.set()
 
     def begin_shutdown(self) -> None:
         """The server is stopping: new requests get a 503, running and waiting ones stop at their
@@ -288,7 +281,7 @@ class Engine:
         from mlx_dgemma.lockstep import ModelRuntime
         from mlx_dgemma.memory import memory_bytes
 
-        loaded = load_model(self.model_path, self.demo, self.dtype_name, self.precision_name)
+        loaded = load_model(self.model_path, self.demo, self.dtype_name, self.precision_name, self.memory_limit)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.precision = loaded.precision.label
         self.generation_config = loaded.generation_config
@@ -298,6 +291,8 @@ class Engine:
         self.markers = marker_ids(self.tokenizer)
         self.memory_bytes = memory_bytes()
         self.runtime = ModelRuntime(loaded)
+        # under mlx.launch every rank runs the same generation in lockstep: one at a time
+        self.worker.max_running = 1 if self.runtime.lockstep is not None else self.limits.parallel
 
     def _finish(self) -> None:
         """The worker stops: under mlx.launch the other ranks leave their follower loop."""
@@ -320,173 +315,57 @@ class Engine:
         """Queue ``job``; a full queue is a 503 with a Retry-After estimate."""
         if self.stopping:
             raise self._shutdown_error()
+        job.submitted_at = time.perf_counter()
         try:
             self.worker.submit(lambda t: self._run_job(job, t), skipped=lambda t: self._skip(job),
                                cancel=job.cancel)
         except WorkerBusy as e:
             self.totals["refused"] += 1
             wait = self.retry_after()
-            raise APIError(503, f"server busy: {e.waiting} requests are waiting; retry in {wait} s",
+            raise APIError(503, f"server busy: {e.waiting} requests are waiting (--queue-size); retry in {wait} s",
                            type="server_error", code="server_busy", headers={"Retry-After": str(wait)}) from None
         except WorkerStopped:
             raise APIError(503, "the model worker is not running; restart the server", type="server_error",
                            code="engine_down") from None
         job.submitted = True
 
+    def connection_refused(self) -> None:
+        """The connection guard refused a connection (--max-connections): counted for /metrics."""
+        self.totals["connections_refused"] += 1
+
     def metrics(self) -> list[tuple[str, str, float, str]]:
-        """(name, Prometheus type, value, help) for ``/metrics``."""
+        """(name, Prometheus type, value, help) of the counters and gauges."""
         t = self.totals
         return [("requests_served_total", "counter", self.served, "requests the worker ran to an end"),
                 ("requests_cancelled_total", "counter", t["cancelled"], "requests stopped before their answer"),
                 ("requests_refused_total", "counter", t["refused"], "requests refused with 503 (queue full)"),
+                ("connections_refused_total", "counter", t["connections_refused"],
+                 "connections refused, or closed to make room, with 503 (--max-connections)"),
+                ("tool_call_repairs_total", "counter", t["tool_repairs"],
+                 "forced tool calls that needed the repair pass"),
                 ("prompt_tokens_total", "counter", t["prompt_tokens"], "prompt tokens of answered requests"),
                 ("prompt_tokens_cached_total", "counter", t["cached_tokens"], "prompt tokens taken from the cache"),
                 ("completion_tokens_total", "counter", t["completion_tokens"], "tokens answered"),
                 ("denoising_steps_total", "counter", t["steps"], "decoder passes (denoising steps)"),
-                ("requests_waiting", "gauge", self.waiting, "requests waiting for the worker"),
+                ("requests_waiting", "gauge", self.waiting, "requests waiting for their first turn"),
+                ("requests_running", "gauge", self.worker.in_progress, "requests taking turns on the model"),
                 ("worker_busy", "gauge", int(self.busy), "1 while the worker runs a request"),
                 ("memory_bytes", "gauge", self.memory_bytes, "memory the process holds after the last job")]
 
-    # request preparation (handler threads; no MLX) ------------------------
-    def sampler_overrides(self, req: Sampling, max_tokens: int | None) -> dict[str, Any]:
-        """Request fields -> stream_generate parameters, validated as the core validates them.
-
-        ``temperature`` scales the whole linear schedule (t_max -> t_min): 1 keeps the
-        model's schedule, 0.5 halves both ends, 0 is taken as 0.01 (near-greedy: almost every
-        position is accepted at the first step) with a fixed seed unless one is given."""
-        from mlx_dgemma.sampler import SamplerParams
-
-        over = {k: getattr(req, k) for k in SAMPLER_FIELDS if getattr(req, k) is not None}
-        if max_tokens is not None:
-            if max_tokens > self.context:  # beyond the context whatever the prompt: 413, not a range error
-                raise ContextLengthError(f"max_tokens: {max_tokens} is beyond the model's context of "
-                                         f"{self.context} tokens; lower max_tokens", "max_tokens")
-            over["max_new_tokens"] = max_tokens
-        if req.seed is not None:
-            over["seed"] = req.seed
-        elif req.temperature == 0:
-            over["seed"] = GREEDY_SEED
-        if req.temperature is not None and req.temperature != 1:
-            base = SamplerParams.from_config(self.generation_config, **over)
-            f = max(req.temperature, MIN_TEMPERATURE_FACTOR)
-            # the core accepts temperatures from 0.001 (params.py): near-greedy, not below it
-            over["t_min"] = max(base.t_min * f, 0.001)
-            over["t_max"] = max(base.t_max * f, 2 * over["t_min"])
-        try:
-            SamplerParams.from_config(self.generation_config, **over).check_model(int(self.model.args.vocab_size))
-        except ParameterError as e:
-            if e.param == "t_max":  # the schedule: quote this model's defaults, not the reference's
-                d = SamplerParams.from_config(self.generation_config)
-                p = {**{"t_min": d.t_min, "t_max": d.t_max}, **over}
-                raise APIError(400, f"t_min = {p['t_min']!r}, t_max = {p['t_max']!r}: the schedule needs "
-                               f"0 < t_min < t_max (this model's defaults are {d.t_min} and {d.t_max})",
-                               param="t_min" if "t_min" in over and "t_max" not in over else "t_max") from None
-            raise APIError(400, str(e), param=e.param) from None
-        return over
-
-    def blocks_tokens(self, max_new_tokens: int) -> int:
-        return math.ceil(max_new_tokens / self.canvas) * self.canvas
-
-    def max_new_tokens(self, params: dict[str, Any]) -> int:
-        return int(params.get("max_new_tokens") or self.generation_config.get("max_new_tokens") or 256)
-
-    def fit(self, prompt_tokens: int, params: dict[str, Any], param: str = "messages") -> int | None:
-        """Check a prompt of ``prompt_tokens`` against the context and the work budget; where
-        the answer's blocks do not all fit, cap ``max_new_tokens`` (in ``params``) to the whole
-        blocks that do (the answer then ends with finish_reason "length"). Returns the cap."""
-        from mlx_dgemma.sampler import SamplerParams
-
-        want = self.max_new_tokens(params)
-        need = prompt_tokens + self.blocks_tokens(want)
-        cap = None
-        if need > self.context:
-            room = (self.context - prompt_tokens) // self.canvas * self.canvas
-            if room < self.canvas:
-                raise ContextLengthError(
-                    f"{param}: the prompt is {prompt_tokens} tokens and the answer needs at least one "
-                    f"{self.canvas}-token block: {prompt_tokens + self.canvas} exceed the model's context of "
-                    f"{self.context}; shorten the {param}", param)
-            cap = params["max_new_tokens"] = min(want, room)
-        steps = SamplerParams.from_config(self.generation_config, **params).max_denoising_steps
-        blocks = self.blocks_tokens(self.max_new_tokens(params)) // self.canvas
-        budget = self.limits.max_request_steps
-        if steps * blocks > budget:
-            field = "max_denoising_steps" if "max_denoising_steps" in params else "max_tokens"
-            raise APIError(400, f"{field}: {steps} denoising steps x {blocks} blocks = {steps * blocks} steps is over "
-                           f"this server's budget of {budget} per request (--max-request-steps); lower "
-                           "max_denoising_steps or max_tokens", param=field, code="work_budget_exceeded")
-        return cap
-
-    def _check_size(self, texts: list[tuple[str, str]], total_param: str, rendered: bool = True,
-                    fix: str | None = None) -> None:
-        """Reject text that cannot fit before any rendering or tokenizing: every token holds at
-        most ``max_token_bytes`` bytes of text, so N bytes are at least N / max_token_bytes tokens;
-        ``rendered`` text must also fit the chat template's output budget."""
-        for name, text in texts:
-            if rendered and len(text) > RENDER_CHARS:
-                raise ContextLengthError(f"{name}: {len(text)} characters; a prompt holds at most "
-                                         f"{RENDER_CHARS} (the chat template's budget); shorten it", name)
-        n_bytes = sum(len(t.encode("utf-8")) for _, t in texts)
-        least = math.ceil(n_bytes / self.max_token_bytes)
-        if least > self.context:
-            raise ContextLengthError(f"{total_param}: {n_bytes} bytes of text are at least {least} tokens (a token "
-                                     f"holds at most {self.max_token_bytes} bytes), beyond the model's context "
-                                     f"of {self.context}; {fix or 'shorten the ' + total_param}", total_param)
-
-    def template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
-        """The chat template for ``messages``: the model's, or for tools where it has none the
-        built-in Gemma 4 tool format (the demo model's template predates tools)."""
-        t = self.tokenizer.chat_template
-        return t if plain_chat(messages, tools) else template_for_tools(t)
-
-    def prepare_chat(self, messages: list[dict[str, Any]], enable_thinking: bool, params: dict[str, Any],
-                     tools: list[dict[str, Any]] | None = None) -> int:
-        """Render the whole conversation as a fresh prompt: template errors are 400, a prompt
-        beyond the context 413. Returns its token count."""
-        texts = [(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)]
-        self._check_size(texts, "messages")
-        if tools:  # the messages fit: where the tools are what does not, they are named
-            self._check_size(texts + [("tools", json.dumps(tools, ensure_ascii=False))], "tools",
-                             fix=TOOLS_FIX)
-        n = self._prompt_tokens(messages, enable_thinking, tools)
-        try:
-            self.fit(n, params)
-        except ContextLengthError:
-            if not tools:
-                raise
-            n0 = self._prompt_tokens(messages, enable_thinking, None)
-            if n0 + self.canvas > self.context:  # too long without the tools too: the messages' error
-                raise
-            raise ContextLengthError(
-                f"tools: the prompt is {n} tokens, {n - n0} of them the tools' declarations, and the answer "
-                f"needs at least one {self.canvas}-token block: {n + self.canvas} exceed the model's context of "
-                f"{self.context}; {TOOLS_FIX}", "tools") from None
-        return n
-
-    def _prompt_tokens(self, messages: list[dict[str, Any]], enable_thinking: bool,
-                       tools: list[dict[str, Any]] | None) -> int:
-        """The rendered prompt's token count; template errors are 400."""
-        try:
-            text = render_chat(messages, self.template(messages, tools), enable_thinking=enable_thinking, tools=tools)
-        except ParameterError as e:
-            raise APIError(400, str(e), param="messages") from None
-        except Exception as e:  # noqa: BLE001 - a template's own error on odd input
-            raise APIError(400, f"messages: the chat template cannot render them ({e})", param="messages") from None
-        return len(self.tokenizer.encode(text))
-
-    def prepare_completion(self, prompt: str | list[int], params: dict[str, Any]) -> list[int]:
-        if isinstance(prompt, str):
-            self._check_size([("prompt", prompt)], "prompt", rendered=False)
-            ids = self.tokenizer.encode(prompt, add_bos=True)
-        else:
-            V = int(self.model.args.vocab_size)
-            bad = next((i for i, t in enumerate(prompt) if not 0 <= t < V), None)
-            if bad is not None:
-                raise APIError(400, f"prompt[{bad}]: token id {prompt[bad]} is outside [0, {V})",
-                               param=f"prompt[{bad}]")
-            ids = list(prompt)
-        self.fit(len(ids), params, "prompt")
-        return ids
+    def metrics_text(self) -> str:
+        """/metrics in Prometheus' text format: :meth:`metrics`, and the latency histograms
+        (seconds from a request's arrival to its first turn, its first committed block, its answer)."""
+        lines = []
+        for name, kind, value, help_text in self.metrics():
+            lines += [f"# HELP mlx_dgemma_{name} {help_text}", f"# TYPE mlx_dgemma_{name} {kind}",
+                      f"mlx_dgemma_{name} {value}"]
+        for what, help_text in (("queue", "from arrival to the first turn on the model"),
+                                ("first_block", "from arrival to the first committed block"),
+                                ("total", "from arrival to the answer")):
+            name = f"mlx_dgemma_request_{what}_seconds"
+            lines += [f"# HELP {name} seconds {help_text}", f"# TYPE {name} histogram",
+                      *self.latency[what].lines(name)]
+        return "\n".join(lines) + "\n"
 
     # generation (worker thread) ------------------------------------------
     def _skip(self, job: Job) -> None:
@@ -496,12 +375,22 @@ class Engine:
         job.emit(*(("error", self._shutdown_error()) if self.stopping else ("done", None)))
         job.release()
 
-    def _run_job(self, job: Job, ticket: Ticket) -> None:
+    def _run_job(self, job: Job, ticket: Ticket) -> bool:
+        """One turn of ``job``: its generation up to the next block boundary. Returns whether it
+        has more (the worker then gives it another turn after the others')."""
         from mlx_dgemma.memory import memory_bytes
 
-        t0 = job.started = time.perf_counter()
+        now = job.turn_started = time.perf_counter()
+        if job.work is None:
+            job.started = now
+            self.latency["queue"].observe(now - job.submitted_at)
+            job.work = self._work(job)
+        more = False
         try:
-            self._run_chat(job) if job.kind == "chat" else self._run_completion(job)
+            next(job.work)
+            more = True
+        except StopIteration:
+            pass
         except APIError as e:
             job.emit("error", e)
         except DGemmaError as e:
@@ -511,15 +400,21 @@ class Engine:
             self._session = None
             job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
         finally:
-            seconds = time.perf_counter() - t0
-            job.stats["engine_s"] = round(seconds, 4)
-            self.memory_bytes = memory_bytes()
-            self.served += 1
-            self._durations.append(seconds)
-            job.release()
+            job.model_s += time.perf_counter() - now
+            if not more:
+                seconds = time.perf_counter() - job.started
+                job.stats["engine_s"] = round(seconds, 4)
+                if job.model_s < seconds - 1e-3:  # it shared the model: how much of it was its own
+                    job.stats["model_s"] = round(job.model_s, 4)
+                self.memory_bytes = memory_bytes()
+                self.served += 1
+                self._durations.append(seconds)
+                job.release()
+        return more
 
     def _cancelled(self, job: Job) -> Any:
-        """The cancel check the core polls: the client left, or the request ran out of time."""
+        """The cancel check the core polls: the client left, or the request has had the model's
+        time it may (--max-request-seconds: its own turns, not the others')."""
         limit = self.limits.max_request_seconds
         if limit is None:
             return job.cancel.is_set
@@ -527,7 +422,7 @@ class Engine:
         def check() -> bool:
             if job.cancel.is_set():
                 return True
-            if time.perf_counter() - job.started > limit:
+            if job.model_s + time.perf_counter() - job.turn_started > limit:
                 job.stats["timeout"] = True
                 return True
             return False
@@ -535,126 +430,264 @@ class Engine:
         return check
 
     @staticmethod
-    def _core_params(job: Job) -> dict[str, Any]:
+    def _core_params(job: Job, **extra: Any) -> dict[str, Any]:
         """The job's parameters for the core: the sampler's, and ``logprobs`` only when asked."""
-        return {**job.params, "logprobs": job.logprobs} if job.logprobs is not None else job.params
+        out = {**job.params, **extra}
+        if job.logprobs is not None and "logprobs" not in out:
+            out["logprobs"] = job.logprobs
+        return out
 
-    def _run_completion(self, job: Job) -> None:
-        events = self.runtime.generate(job.prompt, chat=False, cancel=self._cancelled(job), **self._core_params(job))
-        self._consume(job, events, lambda: 0)
-
-    def _run_chat(self, job: Job) -> None:
+    def _work(self, job: Job) -> Iterator[None]:
+        """``job``'s whole generation, yielding at each block boundary (a turn)."""
         rt = self.runtime
-        if not plain_chat(job.prompt, job.tools):
-            # tools, tool calls or results: a fresh render (the session continues user turns only)
-            self._session = None
-            text = render_chat(job.prompt, self.template(job.prompt, job.tools), enable_thinking=job.enable_thinking,
-                               tools=job.tools)
-            events = rt.generate(self.tokenizer.encode(text), chat=False, cancel=self._cancelled(job),
-                                 **self._core_params(job))
-            self._consume(job, events, lambda: 0)
+        if job.kind == "completion":
+            events = rt.generate(job.prompt, chat=False, cancel=self._cancelled(job), **self._core_params(job))
+            yield from self._consume(job, events, lambda: 0)
+            return
+        if job.forced is not None:
+            yield from self._forced(job)
+            return
+        if not plain_chat(job.prompt, job.tools) or job.continued or self._session_busy:
+            # tools, tool calls or results, a continued answer, or another request holds the
+            # session: a fresh render (the session continues user turns only, one at a time)
+            yield from self._consume(job, self._fresh(job), lambda: 0)
             return
         earlier, user = job.prompt[:-1], job.prompt[-1]["content"]
         s, self._session = self._session, None  # reusable again only if this turn ends cleanly
-        if s is None or s is not rt.session or s.enable_thinking != job.enable_thinking:
-            rt.new_chat(enable_thinking=job.enable_thinking)  # on every rank, under mlx.launch
-        s = rt.session
-        # The session reuses its cache only where its tokens are a prefix of this conversation's
-        # fresh render (another client's conversation, an edited answer: encoded afresh), so the
-        # answer never depends on what came before this request.
-        result, clean = self._consume(job, rt.chat(user, cancel=self._cancelled(job), messages=earlier,
-                                                   **self._core_params(job)), lambda: s.cached_tokens)
-        if clean and result is not None:
-            self._session = s
+        self._session_busy = True
+        try:
+            if s is None or s is not rt.session or s.enable_thinking != job.enable_thinking:
+                rt.new_chat(enable_thinking=job.enable_thinking)  # on every rank, under mlx.launch
+            s = rt.session
+            # The session reuses its cache only where its tokens are a prefix of this conversation's
+            # fresh render (another client's conversation, an edited answer: encoded afresh), so the
+            # answer never depends on what came before this request.
+            result, clean, _ = yield from self._consume(
+                job, rt.chat(user, cancel=self._cancelled(job), messages=earlier, **self._core_params(job)),
+                lambda: s.cached_tokens)
+            if clean and result is not None:
+                self._session = s
+        finally:
+            self._session_busy = False
 
-    def _consume(self, job: Job, events: Iterator[Any], cached_tokens: Callable[[], int]) -> tuple[Result | None, bool]:
-        """Drive one generation, emitting block texts (and steps if asked) and the result as
-        soon as the last block is committed: the client does not wait for the cache commit
-        that follows it (that is for the next turn). Returns the result (None if cancelled)
-        and whether the generator ran to its end."""
-        from mlx_dgemma.events import BlockEvent, PrefillEvent, StepEvent
-        from mlx_dgemma.sampler import SamplerParams
+    def _fresh(self, job: Job, **extra: Any) -> Iterator[Any]:
+        """The core's events for ``job``'s conversation rendered afresh (``extra``: more parameters)."""
+        text = self.prompt_text(job.prompt, job.enable_thinking, job.tools, job.continued)
+        return self.runtime.generate(self.tokenizer.encode(text), chat=False, cancel=self._cancelled(job),
+                                     **self._core_params(job, **extra))
 
-        eos = SamplerParams.from_config(self.generation_config, **job.params).eos_token_id  # as the core reads it
-        answer = Answer(self.tokenizer, eos, job.max_tokens, job.stop, self.markers, tools=bool(job.tools),
-                        raw=job.kind != "chat")
-        n_blocks = self.blocks_tokens(self.max_new_tokens(job.params)) // self.canvas
+    def _forced(self, job: Job) -> Iterator[None]:
+        """A forced tool call (:mod:`.toolcalls`): the call's opening fixed on the canvas; checked;
+        if it does not hold, one repair pass with the call's whole frame fixed."""
+        from mlx_dgemma.canvas import CanvasTemplate
+
+        forced = job.forced
+        assert forced is not None
+        tok = self.tokenizer
+        opening = CanvasTemplate.from_pieces(tok, forced.opening())
+        extra: dict[str, Any] = {"template": opening.pairs()}
+        # "required": the model's log-probabilities at the name's positions choose a declared name
+        # if it writes none (not under mlx.launch, where each rank holds part of the vocabulary)
+        if not forced.named and job.logprobs is None and self.runtime.lockstep is None:
+            extra["logprobs"] = toolcalls.NAME_TOP_LOGPROBS
+        extra.update(self._room_for(job, opening.end) or {})
+        # a call the model has not closed within a few blocks will not close: the repair pass takes over
+        extra["max_new_tokens"] = min(int(extra.get("max_new_tokens", self.max_new_tokens(job.params))),
+                                      max(toolcalls.FIRST_PASS_TOKENS, self.blocks_tokens(opening.end)))
+        tops: list[list[tuple[int, float]]] = []
+        # the pass ends with its first call (or the first block that closes a malformed one)
+        result, _, answer = yield from self._consume(job, self._fresh(job, **extra), lambda: 0, final=False, tops=tops,
+                                                     enough=lambda a: bool(a.tool_calls) or TOOL_CALL_CLOSE in a.content)
+        if result is None:
+            return
+        call = answer.tool_calls[0] if answer.tool_calls else None
+        problem = toolcalls.check(call, forced)
+        if problem is None:
+            result = replace(result, content="", tool_calls=(call,), finish_reason="tool_calls")
+            self._deliver(job, result)
+            return
+        if forced.named:
+            name = forced.names()[0]
+        elif call is not None and forced.tool(call.name) is not None:
+            name = call.name
+        else:
+            name = toolcalls.choose_name(forced, tops, len(tok.encode(forced.opening()[0])), tok.encode)
+        frame = toolcalls.Frame.of(forced.tool(name))  # type: ignore[arg-type]
+        template = CanvasTemplate.from_pieces(tok, frame.pieces)
+        room = self._room_for(job, template.end)
+        if room is None:
+            log.info("%s: tool call %s (%s); no room for a repair pass: returned as it is", job.stats.get("id"),
+                     name, problem)
+            self._deliver(job, result)
+            return
+        self.totals["tool_repairs"] += 1
+        job.stats["repair"] = True
+        log.info("%s: tool call %s: %s; repairing its arguments", job.stats.get("id"), name, problem)
+        # the answer guards judge free text: here the frame is given and the holes are read by type,
+        # so a block they would re-roll or drop (its holes still uncertain) is the repair's answer
+        repaired, _, answer = yield from self._consume(
+            job, self._fresh(job, template=template.pairs(), **toolcalls.GUARDS_OFF, **room), lambda: 0, final=False)
+        if repaired is None:
+            return
+        if not answer.eos:  # cut short (max_tokens, the deadline): what the first pass gave
+            self._deliver(job, result)
+            return
+        fixed = ToolCall(name, json.dumps(frame.arguments(answer.tokens, tok), ensure_ascii=False))
+        still = toolcalls.check(fixed, forced)
+        if still is not None:
+            log.warning("%s: tool call %s after its repair pass: %s; returned as it is", job.stats.get("id"),
+                        name, still)
+        self._deliver(job, replace(repaired, content="", reasoning="", tool_calls=(fixed,),
+                                   finish_reason="tool_calls"))
+
+    def _room_for(self, job: Job, positions: int) -> dict[str, Any] | None:
+        """Parameters under which ``positions`` of a canvas template fit the answer: ``job``'s own,
+        or more blocks where its max_new_tokens is fewer (within the context checked before: the
+        first pass; None if not)."""
+        want = self.max_new_tokens(job.params)
+        if self.blocks_tokens(want) >= positions:
+            return {}
+        need = self.blocks_tokens(positions)
+        prompt = self._prompt_tokens(job.prompt, job.enable_thinking, job.tools, job.continued)
+        if prompt + need > self.context or (job.max_tokens is not None and job.max_tokens < positions):
+            return None
+        return {"max_new_tokens": need}
+
+    def _deliver(self, job: Job, r: Result) -> None:
+        """``r`` is the answer: counted, logged, and sent."""
+        self.totals["prompt_tokens"] += r.usage["prompt_tokens"]
+        self.totals["cached_tokens"] += r.usage["prompt_tokens_details"]["cached_tokens"]
+        self.totals["completion_tokens"] += r.usage["completion_tokens"]
+        job.stats.update(prompt=r.usage["prompt_tokens"], cached=r.usage["prompt_tokens_details"]["cached_tokens"],
+                         completion=r.usage["completion_tokens"],
+                         reasoning=r.usage["completion_tokens_details"]["reasoning_tokens"], finish=r.finish_reason)
+        job.stats["answer_s"] = round(time.perf_counter() - job.started, 4)
+        self.latency["total"].observe(time.perf_counter() - job.submitted_at)
+        job.answered = True
+        job.emit("done", r)
+
+    def _consume(self, job: Job, events: Iterator[Any], cached_tokens: Callable[[], int], final: bool = True,
+                 tops: list[list[tuple[int, float]]] | None = None,
+                 enough: Callable[[Answer], bool] | None = None) -> Iterator[None]:
+        """Drive one generation, yielding at each block boundary (and prefill chunk), emitting
+        block texts (and steps if asked) and the result as soon as the last block is committed:
+        the client does not wait for the cache commit that follows it (that is for the next
+        turn). Returns (the result, None if cancelled; whether the generator ran to its end;
+        the Answer). ``final=False``: one pass of several (a forced call's), nothing emitted;
+        ``tops`` collects each position's most likely (id, log-probability) pairs (with
+        logprobs); ``enough(answer)`` ends the pass after a block."""
+        from mlx_dgemma.events import BlockEvent, PrefillEvent, PrefillProgressEvent, StepEvent
+        from mlx_dgemma.sampler import SamplerParams, finalize_block
+
+        core = SamplerParams.from_config(self.generation_config, **job.params)  # as the core reads it
+        answer = Answer(self.tokenizer, core.eos_token_id, job.max_tokens, job.stop, self.markers,
+                        tools=bool(job.tools), raw=job.kind != "chat" or job.continued, pad_id=core.pad_token_id)
         result: Result | None = None
         prefill = 0
         clean = True
         clock = Timings(self.canvas)
         entries: list[dict[str, Any]] = []  # with logprobs: one per generated token, in order
+        last_step: Any = None  # the block in progress' latest step (a deadline commits its draft)
+        blocks = 0
+        first_block = "first_block_s" not in job.stats
+
+        def n_blocks() -> int:
+            return self.blocks_tokens(self.max_new_tokens(job.params)) // self.canvas
 
         def logprobs() -> tuple[dict[str, Any], ...] | None:
             """The counted tokens' entries (as many as completion_tokens: a stop cut, max_tokens
             and the padding after EOS leave out the same tokens)."""
-            return tuple(entries[:answer.completion_tokens]) if job.logprobs is not None else None
+            if job.logprobs is None:
+                return None
+            kept = answer.tokens[:answer.positions]
+            return tuple(e for e, t in zip(entries, kept) if t != core.pad_token_id)
 
         def finish() -> Result:
             cached = cached_tokens()  # known once the generation has started
-            if cached:
+            if cached and final:
                 self.reused_prefixes += 1  # before the answer goes out: /health agrees with it
             usage = {"prompt_tokens": cached + prefill, "completion_tokens": answer.completion_tokens,
                      "total_tokens": cached + prefill + answer.completion_tokens,
                      "prompt_tokens_details": {"cached_tokens": cached},
                      "completion_tokens_details": {"reasoning_tokens": answer.reasoning_tokens}}
-            self.totals["prompt_tokens"] += cached + prefill
-            self.totals["cached_tokens"] += cached
-            self.totals["completion_tokens"] += answer.completion_tokens
-            job.stats.update(prompt=cached + prefill, cached=cached, completion=answer.completion_tokens,
-                             reasoning=answer.reasoning_tokens, finish=answer.finish_reason)
             r = Result(answer.content, answer.reasoning, answer.finish_reason, usage, tuple(answer.tool_calls),
                        logprobs(), clock.timings(cached, prefill, answer.completion_tokens), answer.finish_detail)
-            job.stats["answer_s"] = round(time.perf_counter() - job.started, 4)
-            job.answered = True
-            job.emit("done", r)
+            if final:
+                self._deliver(job, r)
             return r
+
+        def add(tokens: tuple[int, ...], text: str, thinking: str, lps: Any = None, end: str | None = None) -> None:
+            answer.add(tokens, text, thinking, end)
+            if lps is not None and lps[0] is not None:
+                lp, ids, top = (a.tolist() for a in lps)
+                if job.logprobs is not None:
+                    entries.extend(self._logprob_entry(t, v, i, tl) for t, v, i, tl in zip(tokens, lp, ids, top))
+                if tops is not None:
+                    tops.extend(list(zip(i, tl)) for i, tl in zip(ids, top))
 
         for ev in events:
             if isinstance(ev, StepEvent):
                 clock.step(ev.seconds)
-                if job.stream_steps:
+                last_step = ev
+                if job.stream_steps and final:
                     job.emit("step", self._step_payload(ev))
             elif isinstance(ev, BlockEvent):
+                last_step = None
+                blocks += 1
                 clock.block(ev.steps)
-                answer.add(ev.tokens, ev.text, ev.thinking, ev.end)
-                if job.logprobs is not None and ev.logprobs is not None:
-                    entries += [self._logprob_entry(t, lp, ids, lps) for t, lp, ids, lps in
-                                zip(ev.tokens, ev.logprobs.tolist(), ev.top_ids.tolist(), ev.top_logprobs.tolist())]
-                if job.stream_steps:
+                add(ev.tokens, ev.text, ev.thinking, (ev.logprobs, ev.top_ids, ev.top_logprobs), ev.end)
+                if first_block and blocks == 1:
+                    job.stats["first_block_s"] = round(time.perf_counter() - job.submitted_at, 4)
+                    self.latency["first_block"].observe(time.perf_counter() - job.submitted_at)
+                if job.stream_steps and final:
                     job.emit("step", {"type": "block", "block": ev.block, "steps": ev.steps, "finished": ev.finished,
                                       **({"end": ev.end} if ev.end else {})})
-                # a snapshot: the worker goes on mutating answer
-                job.emit("text", (*answer.streamable(), tuple(answer.tool_calls), logprobs()))
-                last = ev.finished or ev.block >= n_blocks  # blocks count from 1
-                if (answer.stop_hit or answer.eos) and not last:  # a stop string, or a call's end
-                    clean = False  # a stop string: no need for more blocks
+                if final:  # a snapshot: the worker goes on mutating answer
+                    job.emit("text", (*answer.streamable(), tuple(answer.tool_calls), logprobs()))
+                last = ev.finished or ev.block >= n_blocks()  # blocks count from 1
+                if (answer.stop_hit or answer.eos or enough is not None and enough(answer)) and not last:
+                    # a stop string, a call's end, padding, or what the pass was for
+                    clean = False  # no need for more blocks
                     result = finish()
                     break
                 if last and result is None:
                     result = finish()
+                if not last:
+                    yield  # the block boundary: the other requests' turn
             elif isinstance(ev, PrefillEvent):
                 prefill = ev.tokens
                 clock.prefilled(ev.seconds)
                 job.stats.update(prefill=ev.tokens, prefill_s=round(ev.seconds, 4))
+            elif isinstance(ev, PrefillProgressEvent):
+                yield  # a long prompt's chunks are turns too
         if not clean:
             getattr(events, "close", lambda: None)()  # ends the core's generator at its current yield
         # the log line and /metrics read the same clock as the answer's timings (the core's DoneEvent
         # never comes when a stop string ends the generator early)
         self.totals["steps"] += clock.steps
-        job.stats["steps"] = clock.steps
+        job.stats["steps"] = job.stats.get("steps", 0) + clock.steps
         if clock.steps:
             job.stats.update(s_per_step=round(clock.step_seconds / clock.steps, 4),
                              tok_per_fwd=round(answer.completion_tokens / clock.steps, 2))
         if result is None and job.stats.get("timeout") and not job.cancel.is_set():
-            result = finish()  # --max-request-seconds: what is committed, finish_reason "length"
+            # --max-request-seconds: what is committed, and the block in progress as its latest
+            # draft up to its first EOS (a draft's EOS is not an ending the model committed to),
+            # finish_reason "length"
+            if last_step is not None:
+                block, drafted_eos = finalize_block([int(t) for t in last_step.draft], core.eos_token_id,
+                                                    core.pad_token_id)
+                if drafted_eos:
+                    block = block[:next(i for i, t in enumerate(block) if t in core.eos_token_id)]
+                parsed = parse_answer(self.tokenizer.decode(answer.tokens + block))
+                answer.add(tuple(block), parsed.answer, parsed.thinking)
+            result = finish()
             clean = False
         if result is None:  # cancelled (the client left, or the server stops) before the last block
             self.totals["cancelled"] += 1
             job.stats.update(finish="cancelled")
             job.emit(*(("error", self._shutdown_error()) if self.stopping else ("done", None)))
-            return None, False
-        return result, clean
+            return None, False, answer
+        return result, clean, answer
 
     def _token_text(self, token_id: int) -> tuple[str, list[int]]:
         """A token as OpenAI's logprobs show it: its text and its UTF-8 bytes (a byte that is not

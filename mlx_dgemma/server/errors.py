@@ -19,7 +19,9 @@ class APIError(Exception):
 
 
 class ContextLengthError(APIError):
-    """The prompt plus the requested blocks do not fit the model's context (413)."""
+    """The prompt and one block of answer do not fit the model's context: a 400 with OpenAI's
+    ``context_length_exceeded`` code (the openai, litellm and langchain clients raise their
+    context errors on it; a 413 they took for a generic status error)."""
 
     def __init__(self, message: str, param: str = "messages"):
-        super().__init__(413, message, param=param, code="context_length_exceeded")
+        super().__init__(400, message, param=param, code="context_length_exceeded")

@@ -11,6 +11,7 @@ from typing import Any
 
 from mlx_dgemma.chat_template import (THOUGHT_CLOSE, THOUGHT_OPEN, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN, ToolCall,
                                       parse_answer, split_tool_calls)
+from mlx_dgemma.sampler import max_tokens_cut
 
 
 def marker_ids(tokenizer: Any) -> tuple[int | None, int | None]:
@@ -35,6 +36,8 @@ class Answer:
     ``max_tokens`` cuts the token list exactly (blocks are whole canvases, the API's limit
     is in tokens); ``stop`` cuts the visible text, and ``completion_tokens`` counts the tokens
     up to the one that completed the stop string; the thought channel never reaches content.
+    An EOS ends the answer (counted), and so does a block of padding alone (the model has
+    ended its answer); padding is never counted, and never text.
     """
 
     tokenizer: Any
@@ -44,10 +47,12 @@ class Answer:
     markers: tuple[int | None, int | None] | None = None  # thought channel ids (marker_ids), found if None
     tools: bool = False  # parse the template's tool calls out of the answer
     raw: bool = False  # a text completion: the text continues the prompt, whitespace kept
+    pad_id: int | None = None  # the padding token: where the model writes it, the answer has ended
     tokens: list[int] = field(default_factory=list)
     content: str = ""
     reasoning: str = ""
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # the answer's tokens, padding not counted
+    positions: int = 0  # the answer's positions, padding included (completion_tokens of them are tokens)
     reasoning_tokens: int = 0
     eos: bool = False
     stop_hit: bool = False
@@ -70,14 +75,20 @@ class Answer:
         self.tokens += block_tokens
         self.end = end
         gen = self.tokens
-        if self.max_tokens is not None and len(gen) > self.max_tokens:
-            gen = gen[: self.max_tokens]
+        at = max_tokens_cut(gen, self.max_tokens, self.pad_id)
+        if at < len(gen):
+            gen = gen[:at]
             parsed = parse_answer(self.tokenizer.decode(gen))
             text, thinking = parsed.answer, parsed.thinking
         eos_at = next((i for i, t in enumerate(gen) if t in self.eos_ids), None)
-        self.eos = eos_at is not None
-        self.cut = not self.eos and len(gen) < len(self.tokens)
         gen = gen[: eos_at + 1] if eos_at is not None else gen
+        # a block of padding alone (no EOS before it): the model has ended its answer (one that
+        # answers a tool result with a canvas of padding has answered nothing, and said so);
+        # padding beside text is no text and no token, and the answer goes on
+        ended = eos_at is None and self.pad_id is not None and bool(block_tokens) and \
+            all(t == self.pad_id for t in block_tokens) and len(gen) == len(self.tokens)
+        self.eos = eos_at is not None or ended
+        self.cut = not self.eos and len(gen) < len(self.tokens)
         if self.tools:
             text, thinking = self._split_calls(gen)
         elif self.raw:  # the core's text is stripped (a chat answer's); a continuation's is not
@@ -87,7 +98,8 @@ class Answer:
         self.stop_hit = bool(hits)
         if hits:
             gen = gen[: self._stop_tokens(gen)]
-        self.completion_tokens = len(gen)
+        self.positions = len(gen)
+        self.completion_tokens = len(gen) - (gen.count(self.pad_id) if self.pad_id is not None else 0)
         self.reasoning_tokens = self._thought_tokens(gen)
         self.content = text[: min(hits)] if hits else text
         self.reasoning = thinking
@@ -290,5 +302,7 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def model_card(model_id: str, created: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "mlx-dgemma"}
+def model_card(model_id: str, created: int, context: int | None = None) -> dict[str, Any]:
+    """A model object; ``max_model_len`` (vLLM's field, which clients read the context from) when known."""
+    card = {"id": model_id, "object": "model", "created": created, "owned_by": "mlx-dgemma"}
+    return {**card, "max_model_len": context} if context else card

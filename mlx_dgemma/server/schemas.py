@@ -145,6 +145,14 @@ class Message(Body):
 
 # registry parameters that OpenAI's API has too: declared among OpenAI's fields, not ours
 _OPENAI_PARAMS = ("seed",)
+MAX_STOPS = 64  # stop strings a request may give (OpenAI allows 4; agents' prompts send more)
+
+
+def _openai_rule(p: params.Param) -> Any:
+    """As :func:`_rule`; ``seed`` also takes -1, a random seed (llama.cpp's convention)."""
+    if p.name == "seed":
+        return Annotated[int, Field(ge=-1, le=p.high, description=f"{p.rule}, or -1 (random)")] | None
+    return _rule(p)
 
 
 def sampling_fields() -> type[Body]:
@@ -152,11 +160,11 @@ def sampling_fields() -> type[Body]:
     found: OpenAI's (``seed`` among them), then one per other registry parameter with
     ``server=True``, then the rest of ours."""
     ours = {p.name: (_rule(p), None) for p in params.PARAMS if p.server and p.name not in _OPENAI_PARAMS}
-    theirs = {p.name: (_rule(p), None) for p in params.PARAMS if p.server and p.name in _OPENAI_PARAMS}
+    theirs = {p.name: (_openai_rule(p), None) for p in params.PARAMS if p.server and p.name in _OPENAI_PARAMS}
     return create_model(
         "SamplingFields", __base__=Body,
         model=(str | None, None),
-        max_tokens=(int | None, Field(None, ge=1)),  # beyond the context: 413, checked against the model
+        max_tokens=(int | None, Field(None, ge=1)),  # beyond what fits: capped (finish_reason "length")
         temperature=(float | None, Field(None, ge=0, le=2)),
         top_p=(float | None, Field(None, ge=0, le=1)),  # accepted for compatibility; the sampler has no top-p
         **theirs,
@@ -197,9 +205,9 @@ class Sampling(sampling_fields()):  # type: ignore[misc]  # fields generated fro
         if v is None:
             return ()
         stops = [v] if isinstance(v, str) else v
-        if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or \
+        if not isinstance(stops, list) or len(stops) > MAX_STOPS or \
                 not all(isinstance(s, str) and s for s in stops):
-            raise ValueError("expected a non-empty string or a list of 1 to 4 non-empty strings")
+            raise ValueError(f"expected a non-empty string or a list of at most {MAX_STOPS} non-empty strings")
         return tuple(check_unicode(s) for s in stops)
 
 
@@ -216,17 +224,14 @@ class ChatRequest(Sampling):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, v: Any) -> Any:
-        """"auto", "none" or a named function; "required" cannot be guaranteed (the sampler
-        cannot force a call), so it is refused rather than ignored."""
-        if v is None or v in ("auto", "none"):
+        """"auto", "none", "required" (a call to one of the tools) or a named function: the last
+        two are held on the canvas (:mod:`mlx_dgemma.server.toolcalls`)."""
+        if v is None or v in ("auto", "none", "required"):
             return v
         if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
                 and isinstance(v["function"].get("name"), str) and v["function"]["name"]:
             return v
-        if v == "required":
-            raise ValueError("'required' is not supported: this server cannot force the model to call a tool; "
-                             "use 'auto' or name a function")
-        raise ValueError(f"{v!r} is not supported; use 'auto', 'none' or "
+        raise ValueError(f"{v!r} is not supported; use 'auto', 'none', 'required' or "
                          "{'type': 'function', 'function': {'name': ...}}")
 
 

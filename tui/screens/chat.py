@@ -13,6 +13,7 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Input
 
+from mlx_dgemma.errors import DGemmaError
 from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
 from mlx_dgemma.trace import Trace, settings_in_effect, trace_header
 
@@ -300,7 +301,7 @@ class ChatScreen(Screen):
         out = Path(self.app.trace_dir) / f"mlx-dgemma-trace-{time.strftime('%Y%m%d-%H%M%S')}-{self.answer_id}.jsonl"
         try:
             path = self.trace.export_jsonl(out, self.backend.decode)
-        except OSError as e:
+        except (OSError, DGemmaError) as e:  # a trace directory gone or unwritable: said, not a crash
             self.app.notify(f"Export failed: {e}", severity="error")
             return
         self.app.last_export = path
