@@ -443,7 +443,7 @@ def train(args: argparse.Namespace) -> None:
     ``--minutes`` (the cosine decay follows the time budget); ``--resume`` continues ckpt.pt."""
     fit(args, data_name="examples.npz", log_name="train_log.jsonl", out=BUILD / "ckpt.pt",
         init=BUILD / "ckpt.pt" if args.resume else None, steps=args.steps, lr=args.lr, warmup=args.warmup,
-        batch=args.batch, minutes=args.minutes, noise_power=1.0, tail_clean=0.0, append=args.resume)
+        batch=args.batch, minutes=args.minutes, noise_power=1.0, tail_clean=0.0, append=args.resume, stop=None)
 
 
 def finetune(args: argparse.Namespace) -> None:
@@ -454,7 +454,7 @@ def finetune(args: argparse.Namespace) -> None:
     fit(args, data_name="listen.npz", log_name="finetune_log.jsonl", out=BUILD / "ckpt_listen.pt",
         init=Path(args.init) if args.init else BUILD / "ckpt.pt", steps=args.ft_steps, lr=args.ft_lr,
         warmup=args.ft_warmup, batch=args.ft_batch, minutes=None, noise_power=FT_NOISE_POWER,
-        tail_clean=FT_TAIL_CLEAN, append=False)
+        tail_clean=FT_TAIL_CLEAN, append=False, stop=args.ft_stop)
 
 
 def load_init(model, path: Path) -> int:
@@ -480,10 +480,12 @@ def load_init(model, path: Path) -> int:
 
 def fit(args: argparse.Namespace, *, data_name: str, log_name: str, out: Path, init: Path | None, steps: int,
         lr: float, warmup: int, batch: int, minutes: float | None, noise_power: float, tail_clean: float,
-        append: bool) -> None:
+        append: bool, stop: int | None) -> None:
     """The training loop of ``train`` and ``finetune``: AdamW, warm-up then cosine decay to a
     tenth (over ``steps``, or the time budget ``minutes`` when that ends first), gradient
-    clipping, held-out loss every ``--eval-every`` log lines, checkpoints into ``out``."""
+    clipping, held-out loss every ``--eval-every`` log lines, checkpoints into ``out``. ``stop``:
+    end after that many steps of the ``steps``-step schedule (the learning rate still follows
+    ``steps``), as a run cut short would have; None runs it all."""
     import torch
 
     torch.set_num_threads(args.threads)
@@ -538,7 +540,7 @@ def fit(args: argparse.Namespace, *, data_name: str, log_name: str, out: Path, i
         return sum(l * n for l, n in losses) / sum(n for _, n in losses)
 
     t0 = time.time()
-    step, ema, end = start, None, start + steps
+    step, ema, end = start, None, start + (min(stop, steps) if stop else steps)
     if not append and args.eval_every:
         rec = {"step": step, "seconds": 0.0, "held_out_loss": round(held_out_loss(), 4)}
         print(json.dumps(rec), flush=True)
@@ -871,6 +873,8 @@ def main() -> None:
     ap.add_argument("--init", default=None,
                     help="finetune: start from this checkpoint or GGUF (default: build/demo/ckpt.pt)")
     ap.add_argument("--ft-steps", type=int, default=450, help="finetune: steps")
+    ap.add_argument("--ft-stop", type=int, default=None,
+                    help="finetune: end after this many steps of the --ft-steps schedule (default: all of them)")
     ap.add_argument("--ft-batch", type=int, default=16, help="finetune: batch")
     ap.add_argument("--ft-lr", type=float, default=1.2e-3, help="finetune: peak learning rate")
     ap.add_argument("--ft-warmup", type=int, default=30, help="finetune: warm-up steps")
