@@ -275,3 +275,36 @@ def test_listens_overlap_figures():
     r = listens.overlap(listening, word)
     assert (r["across_prompts_same_seed"], r["same_prompt_across_seeds"]) == (0.0, 1.0)
     assert listens.jaccard({"a", "b"}, {"b", "c"}) == pytest.approx(1 / 3)
+
+
+@pytest.mark.slow
+def test_finetune_stop_cuts_the_schedule_and_keeps_its_learning_rates(tmp_path, monkeypatch):
+    """``finetune --ft-stop N`` (how the shipped stage 1 was cut) ends after N steps with the
+    learning rates of the whole ``--ft-steps`` schedule, and saves that step's checkpoint; without
+    it the run goes to the end of its schedule."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    script = load_script("scripts/train_demo.py")
+    monkeypatch.setattr(script, "BUILD", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": script.text_config(), "canvas_length": 64}))
+    rng = np.random.default_rng(0)
+    canvas = rng.integers(364, 4096, (8, 64)).astype(np.int32)
+    canvas[:, 20], canvas[:, 21:] = 106, 0
+    np.savez(tmp_path / "listen.npz", prefix=rng.integers(364, 4096, 8 * 6).astype(np.int32),
+             offsets=np.arange(0, 8 * 6 + 1, 6, dtype=np.int64), canvas=canvas,
+             held_out=np.array([False] * 6 + [True] * 2))
+
+    real_fit = script.fit  # from random weights: the test has no base checkpoint to start from
+    monkeypatch.setattr(script, "fit", lambda a, **kw: real_fit(a, **{**kw, "init": None}))
+
+    def run(stop):
+        args = argparse.Namespace(init=None, ft_steps=6, ft_lr=1e-3, ft_warmup=1, ft_batch=2, ft_stop=stop,
+                                  threads=1, device="cpu", held_out=2, log_every=1, eval_every=0, out=None)
+        script.finetune(args)
+        return [json.loads(line) for line in (tmp_path / "finetune_log.jsonl").read_text().splitlines()]
+
+    full, cut = run(None), run(3)
+    assert [r["step"] for r in full if "lr" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in cut if "lr" in r] == [1, 2, 3] and cut[-1]["final"] and cut[-1]["step"] == 3
+    assert [r["lr"] for r in cut if "lr" in r] == [r["lr"] for r in full if "lr" in r][:3]
+    assert torch.load(tmp_path / "ckpt_listen.pt")["step"] == 3
