@@ -2,7 +2,7 @@
 
     python benchmarks/guards.py corpus [--json corpus.json]
     python benchmarks/guards.py commit [--prompts 12] [--seeds 3] [--steps 48] [--json commit.json]
-    python benchmarks/guards.py empty  [--seeds 5] [--json empty.json]
+    python benchmarks/guards.py empty  [--prompts 12] [--seeds 5] [--json empty.json]
 
 ``corpus``: false positives of the repetition-loop trim and the trailing-duplicate drop on the
 demo's corpus (the KJV, Debian's ``bible-kjv-text``, as ``scripts/train_demo.py`` reads it),
@@ -67,16 +67,6 @@ def train_demo():
     return td
 
 
-def corpus_words(td) -> set[str]:
-    verses = td.read_kjv()
-    chapters: dict = {}
-    for book, ch, text in verses:
-        chapters.setdefault((book, ch), []).append(text)
-    keys = list(chapters)
-    held = {k for i, k in enumerate(keys) if i % td.HELD_OUT_EVERY == td.HELD_OUT_EVERY // 2}
-    return {w.lower() for k in keys if k not in held for t in chapters[k] for w in td.WORD.findall(t)}
-
-
 def word_share(text: str, words: set[str], td) -> tuple[int, int]:
     ws = [w.lower() for w in td.WORD.findall(text)]
     return sum(w in words for w in ws), len(ws)
@@ -126,7 +116,7 @@ def commit(args: argparse.Namespace) -> dict:
     from mlx_dgemma.convert.kquant import write_kquant_copy
 
     td = train_demo()
-    words = corpus_words(td)
+    words = td.train_words()
     tmp = Path(tempfile.mkdtemp())
     models = {"demo Q8_0": demo_file(), "demo K-quant (Q4_K_M rule)": write_kquant_copy(demo_file(), tmp / "kq.gguf")}
     out = {"machine": machine(), "steps": args.steps, "models": {}}
@@ -210,7 +200,7 @@ def first_block(step_fn: StepFunction, cache, p: SamplerParams, key: mx.array, l
 
 def empty(args: argparse.Namespace) -> dict:
     td = train_demo()
-    words = corpus_words(td)
+    words = td.train_words()
     rt = load(demo_file())
     model, tok = rt.model, rt.tokenizer
     p = SamplerParams.from_config(rt.generation_config)
@@ -224,7 +214,7 @@ def empty(args: argparse.Namespace) -> dict:
         return parse_answer(tok.decode([t for t in kept if t != p.pad_token_id])).answer
 
     rows = []
-    for i, text in enumerate(TERSE):
+    for i, text in enumerate(TERSE[: args.prompts]):
         ids = tok.encode(render_chat([{"role": "user", "content": text}], tok.chat_template))
         cache = model.make_cache()
         model.prefill(mx.array([ids], dtype=mx.int32), cache, dtype=dtype)
@@ -259,7 +249,7 @@ def empty(args: argparse.Namespace) -> dict:
     summary["base"]["mean_steps"] = statistics.mean(r["base_steps"] for r in rows)
     for name in ("reroll", "shorter"):
         summary[name]["mean_extra_steps"] = statistics.mean(r[f"{name}_extra_steps"] for r in rows)
-    return {"machine": machine(), "prompts": TERSE, "seeds": args.seeds, "summary": summary, "rows": rows}
+    return {"machine": machine(), "prompts": TERSE[: args.prompts], "seeds": args.seeds, "summary": summary, "rows": rows}
 
 
 def main() -> None:
@@ -274,6 +264,7 @@ def main() -> None:
     m.add_argument("--max-tokens", type=int, default=256)
     m.add_argument("--json")
     e = sub.add_parser("empty")
+    e.add_argument("--prompts", type=int, default=len(TERSE), help=f"the first N of the {len(TERSE)} terse prompts")
     e.add_argument("--seeds", type=int, default=5)
     e.add_argument("--json")
     args = ap.parse_args()

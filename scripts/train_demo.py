@@ -85,6 +85,21 @@ def read_kjv() -> list[tuple[str, int, str]]:
     return verses
 
 
+def split_chapters(verses: list[tuple[str, int, str]]) -> tuple[dict[tuple[str, int], list[str]], set]:
+    """The verses by chapter (in order) and the held-out chapters' keys (every 37th)."""
+    chapters: dict[tuple[str, int], list[str]] = {}
+    for book, ch, text in verses:
+        chapters.setdefault((book, ch), []).append(text)
+    held = {k for i, k in enumerate(chapters) if i % HELD_OUT_EVERY == HELD_OUT_EVERY // 2}
+    return chapters, held
+
+
+def train_words() -> set[str]:
+    """The corpus words: every WORD of the training chapters, lowercased (``words.txt``)."""
+    chapters, held = split_chapters(read_kjv())
+    return {w.lower() for k, vs in chapters.items() if k not in held for t in vs for w in WORD.findall(t)}
+
+
 def train_vocab(texts: list[str]) -> dict:
     """GGUF tokenizer metadata: a BPE trained on ``texts`` in the gemma4 layout."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
@@ -158,11 +173,8 @@ def prepare(args: argparse.Namespace) -> None:
 
     BUILD.mkdir(parents=True, exist_ok=True)
     verses = read_kjv()
-    chapters: dict[tuple[str, int], list[str]] = {}
-    for book, ch, text in verses:
-        chapters.setdefault((book, ch), []).append(text)
+    chapters, held = split_chapters(verses)
     keys = list(chapters)
-    held = {k for i, k in enumerate(keys) if i % HELD_OUT_EVERY == HELD_OUT_EVERY // 2}
     train_texts = [t for k in keys if k not in held for t in chapters[k]]
     vocab = train_vocab(train_texts)
     tok = Tokenizer(vocab, DEFAULT_TEMPLATE)
@@ -196,6 +208,9 @@ def prepare(args: argparse.Namespace) -> None:
     offsets = np.cumsum([0] + [len(p) for p in prefixes]).astype(np.int64)
     np.savez_compressed(BUILD / "examples.npz", prefix=np.concatenate(prefixes), offsets=offsets,
                         canvas=np.stack(canvases), held_out=np.array(split))
+    listen = listen_examples(chapters, held, tok.encode, answer_block)
+    n_names, n_things = listen.pop("names"), listen.pop("things")
+    np.savez_compressed(BUILD / "listen.npz", **listen)
     (BUILD / "tokenizer.json").write_text(json.dumps(vocab))
     (BUILD / "config.json").write_text(json.dumps({"text_config": text_config(), "canvas_length": C}))
     words = sorted({w.lower() for t in train_texts for w in WORD.findall(t)})
@@ -206,7 +221,126 @@ def prepare(args: argparse.Namespace) -> None:
     n_tokens = sum(len(tok.encode(t)) for t in sample)
     print(f"prepare: {len(verses)} verses, {len(chapters)} chapters ({len(held)} held out), "
           f"{len(canvases)} examples ({sum(split)} held out), {len(words)} corpus words, "
-          f"{n_tokens / sum(len(t.split()) for t in sample):.2f} tokens per word")
+          f"{n_tokens / sum(len(t.split()) for t in sample):.2f} tokens per word; fine-tuning set: "
+          f"{len(listen['canvas'])} examples ({int(listen['held_out'].sum())} held out), {n_names} names, "
+          f"{n_things} things")
+
+
+# The fine-tuning data (``listen.npz``): chat pairs whose answer depends on the user's turn.
+# A prompt that names a person, place or thing of the corpus; its answer is a verse naming it.
+NAME_PROMPTS = ("Who was {}?", "Tell me about {}.", "What did {} do?", "What of {}?", "Speak of {}.", "{}")
+THING_PROMPTS = ("Tell me about the {}.", "What is {}?", "What of the {}?", "Speak of the {}.", "Where is the {}?",
+                 "{}")
+# kinds of example and their shares: the start of a verse and its continuation; a question naming
+# something and a verse naming it; either as the second turn of a conversation (ChatSession's render)
+LISTEN_MIX = (("continue", 0.4), ("about", 0.45), ("follow-up", 0.15))
+LISTEN_EXAMPLES, LISTEN_HELD_OUT = 30000, 1000
+# Fine-tuning draws the noise level as u ** (1/3) (mean 0.75): the first steps of a block see a
+# canvas of pure noise, where only the prompt can tell the model what to write.
+FT_NOISE_POWER = 1 / 3
+# ... and keeps the answer's tail (<turn|>, pads) clean in most examples, as the sampler's
+# canvases have it from the second step on (diffusion_loss's tail_clean).
+FT_TAIL_CLEAN = 0.7
+
+
+DETERMINERS = {"the", "a", "an", "his", "her", "my", "thy", "their", "our", "your", "this", "that", "these", "those"}
+
+
+def corpus_entities(texts: list[str]) -> tuple[list[str], list[str]]:
+    """Names (words written capitalized in >= 95 % of their >= 3 uses: persons, places, "LORD")
+    and things (lowercase words used 5-2000 times, 3+ letters, not among the 150 most frequent
+    words, after a determiner in >= 30 % of their uses, so mostly nouns: "sea", "wisdom",
+    "bread", ...) of ``texts``, sorted."""
+    from collections import Counter
+
+    counts, after_det = Counter(), Counter()
+    for t in texts:
+        ws = WORD.findall(t)
+        counts.update(ws)
+        after_det.update(w for d, w in zip(ws, ws[1:]) if d.lower() in DETERMINERS)
+    cap, low = Counter(), Counter()
+    for w, c in counts.items():
+        (cap if w[0].isupper() else low)[w.lower()] += c
+    names = sorted(w for w, c in counts.items()
+                   if w[0].isupper() and c >= 3 and len(w) >= 3 and cap[w.lower()] >= 0.95 * (cap[w.lower()] + low[w.lower()]))
+    common = {w for w, _ in low.most_common(150)}
+    things = sorted(w for w, c in low.items()
+                    if 5 <= c <= 2000 and len(w) >= 3 and w not in common and after_det[w] >= 0.3 * c)
+    return names, things
+
+
+def listen_examples(chapters: dict[tuple[str, int], list[str]], held: set, encode, answer_block,
+                    entities: tuple[list[str], list[str]] | None = None) -> dict:
+    """The fine-tuning set: LISTEN_EXAMPLES training and LISTEN_HELD_OUT held-out chat pairs
+    (LISTEN_MIX), each answer a canvas block (its tokens, ``<turn|>``, pads); the held-out ones
+    answer from the held-out chapters only. ``entities``: the names and things to ask about
+    (default: ``corpus_entities`` of the training chapters). Seeded."""
+    from mlx_dgemma.chat_template import DEFAULT_TEMPLATE, render_chat
+
+    rng = random.Random(SEED + 5)
+    names, things = entities or corpus_entities([t for k, vs in chapters.items() if k not in held for t in vs])
+    pools = {}
+    for part in (False, True):
+        keys = [k for k in chapters if (k in held) == part]
+        verses = [(k, i) for k in keys for i in range(len(chapters[k]))]
+        by_word: dict[str, list[tuple]] = {}
+        for k, i in verses:
+            for w in set(WORD.findall(chapters[k][i])):
+                by_word.setdefault(w, []).append((k, i))
+        pools[part] = (verses, by_word)
+
+    def continuation(part: bool) -> tuple[str, str] | None:
+        verses, _ = pools[part]
+        k, i = rng.choice(verses)
+        vs, words = chapters[k], chapters[k][i].split()
+        nxt = vs[i + 1] if i + 1 < len(vs) else None
+        if len(words) >= 8 and rng.random() < 0.8:  # the start of a verse: its rest (and the next verse)
+            cut = rng.randint(3, len(words) - 4)
+            rest = " ".join(words[cut:])
+            if len(words) - cut < 8 and nxt is not None:
+                rest += " " + nxt
+            return " ".join(words[:cut]), rest
+        return (vs[i], nxt) if nxt is not None else None  # a whole verse: the next one
+
+    def about(part: bool) -> tuple[str, str] | None:
+        _, by_word = pools[part]
+        if rng.random() < 0.4:
+            word, template = rng.choice(names), rng.choice(NAME_PROMPTS)
+            found = by_word.get(word, [])
+        else:
+            word, template = rng.choice(things), rng.choice(THING_PROMPTS)
+            found = by_word.get(word, [])
+        if not found:
+            return None
+        k, i = rng.choice(found)
+        return template.format(word), chapters[k][i]
+
+    def pair(part: bool) -> tuple[list[dict], list[int]] | None:
+        kind = rng.choices([m for m, _ in LISTEN_MIX], [w for _, w in LISTEN_MIX])[0]
+        turns = 2 if kind == "follow-up" else 1
+        messages, block = [], None
+        for _ in range(turns):
+            qa = (continuation if rng.random() < 0.5 else about)(part) if kind == "follow-up" else \
+                (continuation if kind == "continue" else about)(part)
+            if qa is None or (block := answer_block(qa[1])) is None:
+                return None
+            messages += [{"role": "user", "content": qa[0]}, {"role": "assistant", "content": qa[1]}]
+        return messages[:-1], block
+
+    prefixes, canvases, split = [], [], []
+    for part, n in ((False, LISTEN_EXAMPLES), (True, LISTEN_HELD_OUT)):
+        made = 0
+        while made < n:
+            ex = pair(part)
+            if ex is None:
+                continue
+            prefixes.append(np.array(encode(render_chat(ex[0], DEFAULT_TEMPLATE)), np.int32))
+            canvases.append(np.array(ex[1], np.int32))
+            split.append(part)
+            made += 1
+    offsets = np.cumsum([0] + [len(p) for p in prefixes]).astype(np.int64)
+    return {"prefix": np.concatenate(prefixes), "offsets": offsets, "canvas": np.stack(canvases),
+            "held_out": np.array(split), "names": len(names), "things": len(things)}
 
 
 # ----------------------------------------------------------------------------- train
@@ -250,22 +384,46 @@ class Batches:
         return prefix, self.data["canvas"][pick]
 
 
-def diffusion_loss(model, config, prefix, clean, gen, sc_prob: float = 0.5, noise_level=None):
+def corrupt(clean, t, vocab_size: int, gen, tail_clean: float = 0.0):
+    """``clean`` canvases [B, C] with each position replaced by a uniform random token with
+    probability ``t`` [B, 1]; in a ``tail_clean`` share of the rows the tail (from the first
+    ``<turn|>`` on) is left clean (see ``diffusion_loss``)."""
+    import torch
+
+    B, C = clean.shape
+    noisy = torch.rand(B, C, device=clean.device, generator=gen) < t
+    if tail_clean > 0:
+        tail = torch.cumsum((clean == TURN_END).int(), dim=1) > 0
+        noisy &= ~((torch.rand(B, 1, device=clean.device, generator=gen) < tail_clean) & tail)
+    noise = torch.randint(0, vocab_size, (B, C), device=clean.device, generator=gen)
+    return torch.where(noisy, noise, clean)
+
+
+def diffusion_loss(model, config, prefix, clean, gen, sc_prob: float = 0.5, noise_level=None,
+                   noise_power: float = 1.0, tail_clean: float = 0.0):
     """The training objective: the clean prefix through the encoder (causal, filling the
     cache), the canvas corrupted by uniform-token noise at a random level per example (the
     noise the sampler re-draws for unaccepted positions), self-conditioning on a random half
     of the examples (the model's own temperature-scaled logits for the same canvas, as the
-    sampler feeds back the previous step's), cross-entropy on every canvas position."""
+    sampler feeds back the previous step's), cross-entropy on every canvas position.
+
+    The noise level is u ** ``noise_power``, u ~ U(0, 1): 1 draws it uniformly; 1/3 draws
+    high levels more often (mean 0.75), where only the prompt tells what the answer is.
+    ``tail_clean``: the share of examples whose tail (``<turn|>`` and the pads after it) stays
+    clean while the answer's tokens are noised at the level drawn. The sampler accepts the
+    tail first (it is the easiest part), so from the second step on its canvases look like
+    that: a clean tail and an answer of noise. A model trained on uniform noise only reads
+    the clean tail as a sign of little noise and keeps the random tokens of the answer as
+    if they were the answer's (the shipped base model did: its answers were the seed's noise)."""
     import torch
     from transformers import DynamicCache
 
     B, C = clean.shape
     V = config.text_config.vocab_size
     dev = clean.device
-    t = torch.rand(B, 1, device=dev, generator=gen) if noise_level is None else torch.full((B, 1), noise_level, device=dev)
-    noisy_mask = torch.rand(B, C, device=dev, generator=gen) < t
-    noise = torch.randint(0, V, (B, C), device=dev, generator=gen)
-    canvas = torch.where(noisy_mask, noise, clean)
+    t = torch.rand(B, 1, device=dev, generator=gen) ** noise_power if noise_level is None \
+        else torch.full((B, 1), noise_level, device=dev)
+    canvas = corrupt(clean, t, V, gen, tail_clean)
     cache = DynamicCache(config=config.get_text_config(decoder=True))
     model.model.encoder(input_ids=prefix, past_key_values=cache)
     use_sc = torch.rand(B, device=dev, generator=gen) < sc_prob
@@ -281,6 +439,53 @@ def diffusion_loss(model, config, prefix, clean, gen, sc_prob: float = 0.5, nois
 
 
 def train(args: argparse.Namespace) -> None:
+    """The base model: from random weights on ``examples.npz`` (verse -> next verse), within
+    ``--minutes`` (the cosine decay follows the time budget); ``--resume`` continues ckpt.pt."""
+    fit(args, data_name="examples.npz", log_name="train_log.jsonl", out=BUILD / "ckpt.pt",
+        init=BUILD / "ckpt.pt" if args.resume else None, steps=args.steps, lr=args.lr, warmup=args.warmup,
+        batch=args.batch, minutes=args.minutes, noise_power=1.0, tail_clean=0.0, append=args.resume, stop=None)
+
+
+def finetune(args: argparse.Namespace) -> None:
+    """The shipped model: the base model (``--init``: a checkpoint or a GGUF; default ckpt.pt)
+    fine-tuned on ``listen.npz`` (answers that depend on the prompt) for a fixed number of
+    steps (the schedule follows the steps, not the clock, so any machine gets the same model)
+    into ckpt_listen.pt, which ``export`` writes out."""
+    fit(args, data_name="listen.npz", log_name="finetune_log.jsonl", out=BUILD / "ckpt_listen.pt",
+        init=Path(args.init) if args.init else BUILD / "ckpt.pt", steps=args.ft_steps, lr=args.ft_lr,
+        warmup=args.ft_warmup, batch=args.ft_batch, minutes=None, noise_power=FT_NOISE_POWER,
+        tail_clean=FT_TAIL_CLEAN, append=False, stop=args.ft_stop)
+
+
+def load_init(model, path: Path) -> int:
+    """Weights from a checkpoint (``save``'s; returns its step) or a GGUF (dequantized, as
+    the parity tests' reference holds them; returns 0) into ``model``."""
+    import torch
+
+    if path.suffix == ".gguf":
+        from mlx_dgemma.bench.peers import hf_model_from_gguf
+
+        state, step = hf_model_from_gguf(path).state_dict(), 0
+    else:
+        ckpt = torch.load(path, map_location="cpu")
+        state, step = ckpt["state"], int(ckpt["step"])
+    # the encoder's weights are tied to the decoder's: loading the decoder's sets both
+    result = model.load_state_dict(state, strict=False)
+    bad = [k for k in result.missing_keys if "vision" not in k and not k.startswith("model.encoder.")]
+    if bad or [k for k in result.unexpected_keys if "vision" not in k]:
+        sys.exit(f"train_demo: {path} does not hold this model's weights (missing {bad[:3]}, "
+                 f"unexpected {result.unexpected_keys[:3]})")
+    return step
+
+
+def fit(args: argparse.Namespace, *, data_name: str, log_name: str, out: Path, init: Path | None, steps: int,
+        lr: float, warmup: int, batch: int, minutes: float | None, noise_power: float, tail_clean: float,
+        append: bool, stop: int | None) -> None:
+    """The training loop of ``train`` and ``finetune``: AdamW, warm-up then cosine decay to a
+    tenth (over ``steps``, or the time budget ``minutes`` when that ends first), gradient
+    clipping, held-out loss every ``--eval-every`` log lines, checkpoints into ``out``. ``stop``:
+    end after that many steps of the ``steps``-step schedule (the learning rate still follows
+    ``steps``), as a run cut short would have; None runs it all."""
     import torch
 
     torch.set_num_threads(args.threads)
@@ -289,31 +494,32 @@ def train(args: argparse.Namespace) -> None:
     np.random.seed(SEED)
     torch.manual_seed(SEED)
     cfg = json.loads((BUILD / "config.json").read_text())
-    data = dict(np.load(BUILD / "examples.npz"))
+    data = dict(np.load(BUILD / data_name))
     model, config = build_model(cfg, device)
     start = 0
-    if args.resume:
-        ckpt = torch.load(BUILD / "ckpt.pt", map_location="cpu")
-        # the encoder's weights are tied to the decoder's: loading the decoder's sets both
-        missing = model.load_state_dict(ckpt["state"], strict=False).missing_keys
-        assert not [k for k in missing if "vision" not in k and not k.startswith("model.encoder.")], missing
-        start = int(ckpt["step"])
+    if init is not None:
+        if not init.is_file():
+            sys.exit(f"train_demo: {init}: no such checkpoint or GGUF to start from")
+        step0 = load_init(model, init)
+        start = step0 if append else 0
     params = [p for n, p in model.named_parameters() if "vision" not in n]
     n_params = sum(p.numel() for p in params)
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
-    train_b = Batches(data, False, args.batch, SEED)
-    held_b = Batches(data, True, args.batch, SEED + 1)
+                            lr=lr, betas=(0.9, 0.95))
+    train_b = Batches(data, False, batch, SEED)
+    held_b = Batches(data, True, batch, SEED + 1)
     rng = np.random.default_rng(SEED + 2)
-    held_pick = rng.choice(np.flatnonzero(data["held_out"]), size=min(256, held_b.n), replace=False)
+    held_pick = rng.choice(np.flatnonzero(data["held_out"]), size=min(args.held_out, held_b.n), replace=False)
     gen = torch.Generator(device=device)
     gen.manual_seed(SEED)
-    log_path = BUILD / "train_log.jsonl"
-    log = log_path.open("a" if args.resume else "w")
-    print(f"train: {n_params / 1e6:.2f}M parameters, {train_b.n} train / {held_b.n} held-out examples, "
-          f"device {device}, batch {args.batch}, {args.steps} steps max, {args.minutes} min max", flush=True)
+    log_path = BUILD / log_name
+    log = log_path.open("a" if append else "w")
+    budget = f"{minutes} min max" if minutes else "no time limit"
+    print(f"{out.stem}: {n_params / 1e6:.2f}M parameters, {train_b.n} train / {held_b.n} held-out examples "
+          f"({data_name}), from {init or 'random weights'}, device {device}, {args.threads} threads, batch {batch}, "
+          f"{steps} steps, {budget}", flush=True)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
 
     def held_out_loss() -> float:
@@ -325,8 +531,8 @@ def train(args: argparse.Namespace) -> None:
         with torch.no_grad(), amp:
             for n in np.unique(lens):
                 group = order[lens == n]
-                for s in range(0, len(group), args.batch):
-                    p, c = held_b.take(group[s:s + args.batch])
+                for s in range(0, len(group), batch):
+                    p, c = held_b.take(group[s:s + batch])
                     loss = diffusion_loss(model, config, torch.from_numpy(p).long().to(device),
                                           torch.from_numpy(c).long().to(device), g)
                     losses.append((loss.item(), len(p)))
@@ -334,18 +540,26 @@ def train(args: argparse.Namespace) -> None:
         return sum(l * n for l, n in losses) / sum(n for _, n in losses)
 
     t0 = time.time()
-    step, ema, end = start, None, start + args.steps
+    step, ema, end = start, None, start + (min(stop, steps) if stop else steps)
+    if not append and args.eval_every:
+        rec = {"step": step, "seconds": 0.0, "held_out_loss": round(held_out_loss(), 4)}
+        print(json.dumps(rec), flush=True)
+        log.write(json.dumps(rec) + "\n")
+        t0 = time.time()
     model.train()
-    while step < end and time.time() - t0 < args.minutes * 60:
-        lr = args.lr * min(1.0, (step - start + 1) / args.warmup)
-        frac = (time.time() - t0) / (args.minutes * 60)
-        lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(frac, (step - start) / args.steps))))
+    while step < end and (not minutes or time.time() - t0 < minutes * 60):
+        cur = lr * min(1.0, (step - start + 1) / warmup)
+        frac = (step - start) / steps
+        if minutes:
+            frac = max(frac, (time.time() - t0) / (minutes * 60))
+        cur *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
         for g_ in opt.param_groups:
-            g_["lr"] = lr
+            g_["lr"] = cur
         p, c = train_b.sample()
         with amp:
             loss = diffusion_loss(model, config, torch.from_numpy(p).long().to(device),
-                                  torch.from_numpy(c).long().to(device), gen)
+                                  torch.from_numpy(c).long().to(device), gen, noise_power=noise_power,
+                                  tail_clean=tail_clean)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -353,10 +567,10 @@ def train(args: argparse.Namespace) -> None:
         step += 1
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         if step % args.log_every == 0:
-            rec = {"step": step, "seconds": round(time.time() - t0, 1), "train_loss": round(ema, 4), "lr": lr}
-            if step % (args.log_every * args.eval_every) == 0:
+            rec = {"step": step, "seconds": round(time.time() - t0, 1), "train_loss": round(ema, 4), "lr": cur}
+            if args.eval_every and step % (args.log_every * args.eval_every) == 0 and step < end:
                 rec["held_out_loss"] = round(held_out_loss(), 4)
-                save(model, BUILD / "ckpt.pt", step, args.out)
+                save(model, out, step, args.out)
             print(json.dumps(rec), flush=True)
             log.write(json.dumps(rec) + "\n")
             log.flush()
@@ -365,7 +579,7 @@ def train(args: argparse.Namespace) -> None:
     print(json.dumps(rec), flush=True)
     log.write(json.dumps(rec) + "\n")
     log.close()
-    save(model, BUILD / "ckpt.pt", step, args.out)
+    save(model, out, step, args.out)
 
 
 def save(model, path: Path, step: int, out: str | None = None) -> None:
@@ -414,7 +628,7 @@ def export(args: argparse.Namespace) -> None:
     from mlx_dgemma.bench.peers import hf_names
 
     cfg = json.loads((BUILD / "config.json").read_text())
-    state = torch.load(BUILD / "ckpt.pt", map_location="cpu")["state"]
+    state = torch.load(Path(args.ckpt) if args.ckpt else BUILD / "ckpt_listen.pt", map_location="cpu")["state"]
     vocab = json.loads((BUILD / "tokenizer.json").read_text())
     tc = ModelArgs(**{k: v for k, v in cfg["text_config"].items() if k in ModelArgs.__dataclass_fields__})
     s = SHAPE
@@ -613,31 +827,41 @@ def evaluate(args: argparse.Namespace) -> None:
 
 
 def plot(args: argparse.Namespace) -> None:
+    """The loss curves: the base training's into ``docs/demo-loss.png``, the fine-tuning's
+    into ``docs/demo-finetune-loss.png`` (each where its log exists)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [json.loads(line) for line in (BUILD / "train_log.jsonl").read_text().splitlines()]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot([r["step"] for r in recs], [r["train_loss"] for r in recs], label="train (EMA)")
-    held = [r for r in recs if "held_out_loss" in r]
-    ax.plot([r["step"] for r in held], [r["held_out_loss"] for r in held], "o-", label="held-out chapters")
-    ax.set_xlabel("step")
-    ax.set_ylabel("canvas cross-entropy (nats/token)")
-    ax.set_title("Demo DiffusionGemma on the KJV Bible")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = ROOT / "docs" / "demo-loss.png"
-    fig.savefig(out)
-    print(f"plot: {out}")
+    for log_name, png, title in (("train_log.jsonl", "demo-loss.png", "Demo DiffusionGemma on the KJV Bible"),
+                                 ("finetune_log.jsonl", "demo-finetune-loss.png",
+                                  "Demo DiffusionGemma: fine-tuning to the prompt")):
+        if not (BUILD / log_name).is_file():
+            print(f"plot: no {BUILD / log_name}, {png} left as it is")
+            continue
+        recs = [json.loads(line) for line in (BUILD / log_name).read_text().splitlines()]
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+        trained = [r for r in recs if "train_loss" in r]
+        ax.plot([r["step"] for r in trained], [r["train_loss"] for r in trained], label="train (EMA)")
+        held = [r for r in recs if "held_out_loss" in r]
+        ax.plot([r["step"] for r in held], [r["held_out_loss"] for r in held], "o-", label="held-out chapters")
+        ax.set_xlabel("step")
+        ax.set_ylabel("canvas cross-entropy (nats/token)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        out = ROOT / "docs" / png
+        fig.savefig(out)
+        plt.close(fig)
+        print(f"plot: {out}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["prepare", "train", "merge_parts", "export", "defaults", "evaluate", "plot",
-                                      "all"])
+    ap.add_argument("stage", choices=["prepare", "train", "finetune", "merge_parts", "export", "defaults", "evaluate",
+                                      "plot", "all"])
     ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20000)
@@ -646,6 +870,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=300)
+    ap.add_argument("--init", default=None,
+                    help="finetune: start from this checkpoint or GGUF (default: build/demo/ckpt.pt)")
+    ap.add_argument("--ft-steps", type=int, default=450, help="finetune: steps")
+    ap.add_argument("--ft-stop", type=int, default=None,
+                    help="finetune: end after this many steps of the --ft-steps schedule (default: all of them)")
+    ap.add_argument("--ft-batch", type=int, default=16, help="finetune: batch")
+    ap.add_argument("--ft-lr", type=float, default=1.2e-3, help="finetune: peak learning rate")
+    ap.add_argument("--ft-warmup", type=int, default=30, help="finetune: warm-up steps")
+    ap.add_argument("--held-out", type=int, default=256, help="held-out examples for the held-out loss")
+    ap.add_argument("--ckpt", default=None, help="export: the checkpoint (default: build/demo/ckpt_listen.pt)")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=15, help="held-out loss every N log lines")
     ap.add_argument("--types", choices=["q8_0", "f16", "f32"], default="q8_0", help="export: matrix type")
@@ -659,7 +893,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write float16 checkpoint parts here")
     ap.add_argument("--prompts", type=int, default=6, help="held-out prompts for evaluate")
     args = ap.parse_args()
-    stages = ["prepare", "train", "export", "evaluate", "plot"] if args.stage == "all" else [args.stage]
+    stages = ["prepare", "train", "finetune", "export", "evaluate", "plot"] if args.stage == "all" else [args.stage]
     for s in stages:
         globals()[s](args)
 

@@ -175,3 +175,136 @@ def test_entropy_falls_and_the_stop_rule_fires_over_two_turns(demo):
         assert steps[-1].mean_entropy < 0.005 < steps[0].mean_entropy
         assert len(re.findall(r"[A-Za-z]+", done.text)) >= 5, done.text
     assert len(session.messages) == 4
+
+
+# -- the fine-tuning that makes the demo listen (scripts/train_demo.py, benchmarks/listens.py) -----------
+
+TOY_CHAPTERS = {
+    ("Genesis", 1): [GENESIS_1_1, GENESIS_1_2, "And God said, Let there be light: and there was light."],
+    ("Exodus", 14): ["And Moses stretched forth his hand over the sea; and the LORD caused the sea to go back.",
+                     "And the children of Israel went into the midst of the sea upon the dry ground.",
+                     "And the Egyptians pursued, and went in after them to the midst of the sea."],
+    ("Psalms", 23): ["The LORD is my shepherd; I shall not want.",
+                     "He maketh me to lie down in green pastures: he leadeth me beside the still waters.",
+                     "He restoreth my soul: he leadeth me in the paths of righteousness for his name's sake."],
+}
+
+
+def test_listen_examples_answer_what_the_prompt_names_or_continue_it(demo, monkeypatch):
+    """Every fine-tuning pair depends on its user turn: a question naming a word of the corpus
+    is answered with a verse holding that word; the start of a verse with its rest (or the next
+    verse); a follow-up holds a whole first exchange and asks again. Answers are canvas blocks
+    (tokens, <turn|>, pads); held-out pairs answer from held-out chapters only."""
+    from mlx_dgemma.chat_template import render_chat
+
+    script = load_script("scripts/train_demo.py")
+    monkeypatch.setattr(script, "LISTEN_EXAMPLES", 60)
+    monkeypatch.setattr(script, "LISTEN_HELD_OUT", 20)
+    tok = demo.tokenizer
+
+    def block(text):
+        ids = tok.encode(text) + [106]
+        return ids + [0] * (64 - len(ids)) if len(ids) <= 64 else None
+
+    held = {("Psalms", 23)}
+    data = script.listen_examples(TOY_CHAPTERS, held, tok.encode, block,
+                                  entities=(["Moses", "Israel", "LORD"], ["sea", "light", "soul"]))
+    assert len(data["canvas"]) == 80 and data["held_out"].sum() == 20
+    verses = [v for vs in TOY_CHAPTERS.values() for v in vs]
+    user = re.compile(r"<\|turn>user\n(.*?)<turn\|>", re.S)
+    kinds = set()
+    for i in range(80):
+        prefix = tok.decode(data["prefix"][data["offsets"][i]:data["offsets"][i + 1]].tolist())
+        canvas = data["canvas"][i].tolist()
+        assert 106 in canvas and set(canvas[canvas.index(106) + 1:]) <= {0}
+        answer = tok.decode(canvas[:canvas.index(106)])
+        asked = user.findall(prefix)
+        assert asked and prefix.endswith(render_chat([{"role": "user", "content": asked[-1]}], tok.chat_template)
+                                         .removeprefix("<bos>"))
+        if len(asked) == 2:
+            kinds.add("follow-up")
+        q = asked[-1]
+        if data["held_out"][i]:
+            assert any(answer in v or v in answer for v in TOY_CHAPTERS[("Psalms", 23)]), answer
+        named = [w for t in script.NAME_PROMPTS + script.THING_PROMPTS if (w := _filled(t, q))]
+        if named and any(re.search(rf"\b{re.escape(w)}\b", answer) for w in named):
+            kinds.add("about")
+        elif any((q + " " + answer).startswith(v) or v.startswith(q + " " + answer.split()[0]) for v in verses):
+            kinds.add("continue")
+        else:
+            raise AssertionError(f"{q!r} -> {answer!r}: neither names the word asked for nor continues a verse")
+    assert kinds == {"about", "continue", "follow-up"}, kinds
+
+
+def _filled(template: str, text: str) -> str | None:
+    """The word ``template`` (one ``{}``) was filled with to give ``text``, else None."""
+    head, tail = template.split("{}")
+    if text.startswith(head) and text.endswith(tail) and len(text) > len(head) + len(tail):
+        return text[len(head):len(text) - len(tail)]
+    return None
+
+
+def test_corrupt_keeps_the_tail_clean_as_the_samplers_canvases_have_it():
+    """Fine-tuning's noise: at level 1 every position is noise, except, in the rows asked for,
+    the tail from <turn|> on, which the sampler accepts first and so is clean from its second step."""
+    torch = pytest.importorskip("torch")
+    script = load_script("scripts/train_demo.py")
+    clean = torch.tensor([[500] * 20 + [106] + [0] * 43] * 64)
+    gen = torch.Generator().manual_seed(0)
+    kept = script.corrupt(clean, torch.ones(64, 1), 4096, gen, tail_clean=1.0)
+    assert torch.equal(kept[:, 20:], clean[:, 20:])
+    assert (kept[:, :20] != 500).float().mean() > 0.99
+    noised = script.corrupt(clean, torch.ones(64, 1), 4096, gen, tail_clean=0.0)
+    assert (noised[:, 20:] != clean[:, 20:]).float().mean() > 0.99
+    half = script.corrupt(clean, torch.ones(64, 1), 4096, gen, tail_clean=0.5)
+    rows_kept = torch.all(half[:, 20:] == clean[:, 20:], dim=1).float().mean()
+    assert 0.25 < rows_kept < 0.75
+
+
+def test_listens_overlap_figures():
+    """benchmarks/listens.py: answers that ignore the prompt (one text per seed) overlap fully
+    across prompts and not at all across seeds; answers fixed by the prompt, the reverse."""
+    listens = load_script("benchmarks/listens.py")
+    word = re.compile(r"[A-Za-z]+")
+    texts = ["alpha beta gamma", "delta epsilon zeta", "eta theta iota"]
+    deaf = {(p, s): texts[s] for p in range(3) for s in range(3)}
+    r = listens.overlap(deaf, word)
+    assert (r["across_prompts_same_seed"], r["same_prompt_across_seeds"]) == (1.0, 0.0)
+    assert r["prompts_sharing_last_words_per_seed"] == {0: 3, 1: 3, 2: 3}
+    listening = {(p, s): texts[p] for p in range(3) for s in range(3)}
+    r = listens.overlap(listening, word)
+    assert (r["across_prompts_same_seed"], r["same_prompt_across_seeds"]) == (0.0, 1.0)
+    assert listens.jaccard({"a", "b"}, {"b", "c"}) == pytest.approx(1 / 3)
+
+
+@pytest.mark.slow
+def test_finetune_stop_cuts_the_schedule_and_keeps_its_learning_rates(tmp_path, monkeypatch):
+    """``finetune --ft-stop N`` (how the shipped stage 1 was cut) ends after N steps with the
+    learning rates of the whole ``--ft-steps`` schedule, and saves that step's checkpoint; without
+    it the run goes to the end of its schedule."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    script = load_script("scripts/train_demo.py")
+    monkeypatch.setattr(script, "BUILD", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": script.text_config(), "canvas_length": 64}))
+    rng = np.random.default_rng(0)
+    canvas = rng.integers(364, 4096, (8, 64)).astype(np.int32)
+    canvas[:, 20], canvas[:, 21:] = 106, 0
+    np.savez(tmp_path / "listen.npz", prefix=rng.integers(364, 4096, 8 * 6).astype(np.int32),
+             offsets=np.arange(0, 8 * 6 + 1, 6, dtype=np.int64), canvas=canvas,
+             held_out=np.array([False] * 6 + [True] * 2))
+
+    real_fit = script.fit  # from random weights: the test has no base checkpoint to start from
+    monkeypatch.setattr(script, "fit", lambda a, **kw: real_fit(a, **{**kw, "init": None}))
+
+    def run(stop):
+        args = argparse.Namespace(init=None, ft_steps=6, ft_lr=1e-3, ft_warmup=1, ft_batch=2, ft_stop=stop,
+                                  threads=1, device="cpu", held_out=2, log_every=1, eval_every=0, out=None)
+        script.finetune(args)
+        return [json.loads(line) for line in (tmp_path / "finetune_log.jsonl").read_text().splitlines()]
+
+    full, cut = run(None), run(3)
+    assert [r["step"] for r in full if "lr" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in cut if "lr" in r] == [1, 2, 3] and cut[-1]["final"] and cut[-1]["step"] == 3
+    assert [r["lr"] for r in cut if "lr" in r] == [r["lr"] for r in full if "lr" in r][:3]
+    assert torch.load(tmp_path / "ckpt_listen.pt")["step"] == 3
