@@ -23,6 +23,10 @@ def pytest_configure(config):
     the tests that interrupt a command would find it deaf (the server ran on; a hang)."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # `nohup` starts the suite with SIGHUP ignored, and children inherit that: the tests that
+    # hang a command up would find it deaf
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 _EXIT_STATUS = pytest.StashKey[int]()

@@ -204,6 +204,11 @@ def run_app(model: str | None = None, demo: bool = False, dtype: str | None = No
     if app.signals:
         from mlx_dgemma.errors import as_interrupt
 
+        if not stopped:  # inside one MLX call still: the interpreter's teardown would abort (see below)
+            print("mlx-dgemma chat: interrupted; nothing partial was kept", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + app.signals[0])
         raise as_interrupt(app.signals[0])
     if app.load_error is not None:
         print(f"mlx-dgemma chat: error: {app.load_error}", file=sys.stderr)
