@@ -400,7 +400,7 @@ def _answer(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
             block, finished, end = [], True, "unconverged"
         else:
             block, finished = finalize_block(result.tokens, p.eos_token_id, p.pad_token_id)
-            loop = loop_start(result.tokens, p.eos_token_id, p.repetition_trim)
+            loop = loop_start(result.tokens, p.eos_token_id, p.repetition_trim, pad_id=p.pad_token_id)
             if loop is not None:  # TensorSharp's trim: the loop and all after it go, the answer ends
                 block, finished, end = result.tokens[:loop], True, "repetition"
             steps_per_block.append(result.steps)

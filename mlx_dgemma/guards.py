@@ -38,7 +38,7 @@ LOOP_STRIDES = (1, 2)
 
 
 def loop_start(tokens: Sequence[int], eos_ids: Sequence[int], repeats: int = 6,
-               strides: Sequence[int] = LOOP_STRIDES) -> int | None:
+               strides: Sequence[int] = LOOP_STRIDES, pad_id: int | None = None) -> int | None:
     """Where a repetition loop starts in one block's argmax canvas, or None.
 
     TensorSharp's rule (``DiffusionGemmaSampler.TrimCanvas``, zhongkaifu/TensorSharp,
@@ -48,12 +48,16 @@ def loop_start(tokens: Sequence[int], eos_ids: Sequence[int], repeats: int = 6,
     ``repeats`` (6) consecutive ``j = i, i + stride, ...`` is a loop's onset (the run may reach
     past the end token, as it does there: only its start must come before it). TensorSharp
     then keeps ``tokens[:i]`` and ends the answer. ``repeats`` 0 is off (None).
+
+    ``pad_id``: padding counts as an end too. A model that pads out its canvas has stopped
+    writing; a run of padding is not a loop (on the trained demo, "... heal." and 43 pads was
+    trimmed and reported as a loop).
     """
     if repeats <= 0:
         return None
     n = len(tokens)
-    eos = set(eos_ids)
-    cut = next((i for i, t in enumerate(tokens) if t in eos), n)
+    ends = set(eos_ids) | ({pad_id} if pad_id is not None else set())
+    cut = next((i for i, t in enumerate(tokens) if t in ends), n)
     for i in range(cut - 1):
         for stride in strides:
             reps, j = 0, i

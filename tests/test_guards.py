@@ -45,6 +45,14 @@ def test_loop_start_follows_tensorsharp(tokens, expected):
     assert loop_start(tokens, EOS) == expected
 
 
+def test_padding_is_an_end_not_a_loop():
+    # the trained demo wrote "... heal." and 43 pads (no EOS): reported as a repetition loop
+    pad = 0
+    assert loop_start([5, 6, 7] + [pad] * 40, EOS) == 3  # without pad_id: the old reading
+    assert loop_start([5, 6, 7] + [pad] * 40, EOS, pad_id=pad) is None
+    assert loop_start([5] + [9] * 7 + [pad] * 10, EOS, pad_id=pad) == 1  # a loop before the padding still is one
+
+
 def test_loop_start_counts_the_repeats_it_is_given_and_0_is_off():
     tokens = [5] + [9] * 4
     assert loop_start(tokens, EOS, repeats=3) == 1 and loop_start(tokens, EOS, repeats=4) is None
