@@ -321,7 +321,9 @@ def test_ready_means_warmed_up(tmp_path, monkeypatch):
     engine = Engine(demo=True)
     engine.worker.start()  # loaded, not warmed up
     gate = threading.Event()
-    engine.worker.submit(lambda t: gate.wait(30), bypass_limit=True)  # holds the worker before the warm-up
+    # holds the worker before the warm-up; `and None`: a job returning True asks for another turn,
+    # and this one, given turns forever, spun on the worker for the rest of the suite (CI 36)
+    engine.worker.submit(lambda t: gate.wait(30) and None, bypass_limit=True)
     engine.warm_up()
     with TestClient(create_app(engine)) as client:
         r = client.get("/health")

@@ -200,7 +200,7 @@ def test_a_job_cancelled_before_its_first_turn_never_runs():
     gate, ran, skipped = threading.Event(), [], []
     w = ModelWorker(lambda: None, max_running=3)
     w.start()
-    w.submit(lambda t: gate.wait(10))
+    w.submit(lambda t: gate.wait(10) and None)  # True would ask for another turn, forever
     a = w.submit(lambda t: ran.append("a"), skipped=lambda t: skipped.append("a"))
     a.cancel()
     gate.set()
