@@ -135,5 +135,6 @@ def test_schedule_error_quotes_the_models_defaults_not_the_references():
     model = SamplerParams(t_min=0.05, t_max=0.25)
     with pytest.raises(ParameterError) as e:
         model.with_overrides(t_min=0.9)
-    assert "this model's defaults are 0.05 and 0.25" in str(e.value) and e.value.param == "t_max"
+    # the error names the parameter the caller gave (t_min), its rule the other's value
+    assert "this model's defaults are 0.05 and 0.25" in str(e.value) and e.value.param == "t_min"
     assert "0.4" not in str(e.value) and "0.8" not in str(e.value)

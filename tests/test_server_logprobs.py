@@ -14,7 +14,9 @@ import pytest
 
 from mlx_dgemma.tokenizer import Tokenizer
 
-FAST = {"max_denoising_steps": 2, "seed": 3}
+# two steps never converge on the fine-tuned demo (mean entropy 0.10-0.19): the commit guard off,
+# as in the other tests of the server's mechanics, or every answer is re-rolled and then empty
+FAST = {"max_denoising_steps": 2, "seed": 3, "commit_entropy": 0}
 C, X = "/v1/chat/completions", "/v1/completions"
 
 
@@ -67,12 +69,14 @@ def test_chat_logprobs_cover_the_counted_tokens(served):
     assert all(e["top_logprobs"] == [] for e in r0["choices"][0]["logprobs"]["content"])
 
 
-def first_unique(text: str, width: int = 3) -> str:
-    """A piece of ``text`` from its first half that occurs there first (a stop string that cuts it)."""
-    for p in range(len(text) // 3, len(text) // 2):
-        piece = text[p:p + width]
-        if piece.strip() and text.find(piece) == p:
-            return piece
+def first_unique(text: str) -> str:
+    """A piece of ``text`` from its middle that occurs there first (a stop string that cuts it):
+    the shortest such piece, from 3 characters (the demo repeats itself: "the the the")."""
+    for width in range(3, 9):
+        for p in range(len(text) // 4, 3 * len(text) // 4):
+            piece = text[p:p + width]
+            if piece.strip() and text.find(piece) == p:
+                return piece
     raise AssertionError(f"no stop string in {text!r}")
 
 
