@@ -103,8 +103,18 @@ def add_sampler_args(p: argparse.ArgumentParser) -> None:
     from .params import PARAMS
 
     g = p.add_argument_group("sampler (defaults from the model's generation_config.json)")
+    add_quality_arg(g)
     for param in PARAMS:
         g.add_argument(param.flag, type=param.kind, dest=param.name, metavar=param.metavar, help=param.help)
+
+
+def add_quality_arg(p: Any) -> None:
+    """``--quality``: the speed/quality dial's settings (``mlx_dgemma.params.QUALITIES``)."""
+    from .params import QUALITIES
+
+    p.add_argument("--quality", choices=[q.name for q in QUALITIES], default=None,
+                   help="speed/quality dial: " + "; ".join(f"{q.name} = {q.help}" for q in QUALITIES)
+                        + " (default: max; a sampler flag given besides it wins)")
 
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
@@ -166,7 +176,7 @@ def sampler_overrides(args: argparse.Namespace) -> GenerationRequest:
 
     given = {k: getattr(args, k) for k in flags() if getattr(args, k, None) is not None}
     with flag_errors(given):
-        return GenerationRequest.of(given)
+        return GenerationRequest.of(given, quality=getattr(args, "quality", None))
 
 
 @contextmanager
@@ -364,33 +374,35 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return tokens[:at], parsed.answer, parsed.thinking, True
 
     so_far: tuple[int, ...] = ()
-    for ev in flagged(stream_generate(runtime, prompt, request=request, generation_config=gen_cfg,
-                                      enable_thinking=args.think, chat=not args.raw), request.params):
-        if isinstance(ev, PrefillEvent) and not args.json:
-            print(f"[prefill] {ev.tokens} tokens in {ev.seconds:.2f} s", file=sys.stderr)
-        if isinstance(ev, StepEvent) and trace is not None:
-            trace.add(ev)
-        if isinstance(ev, StepEvent) and progress is not None and not (shared_tty and printed):
-            progress.show(ev)
-        if isinstance(ev, StepEvent) and args.show_drafts and not args.json:
-            draft = printable(tokenizer.decode(ev.draft.tolist()).replace("\n", " "))
-            print(f"[block {ev.block} step {ev.step:>2}] T={ev.temperature:.3f} "
-                  f"accepted {int(ev.accepted.sum()):>3}/{ev.accepted.size} H={ev.mean_entropy:.3f} | {draft[:100]}",
-                  file=sys.stderr)
-        elif isinstance(ev, BlockEvent) and not args.json:
-            if progress is not None:
-                progress.clear()
-            so_far += ev.tokens
-            text = within_max_tokens(so_far, ev.text, ev.thinking)[1]
-            # a model can emit any byte: control characters are shown escaped, never sent raw
-            sys.stdout.write(printable(text[printed:] if text.startswith(text[:printed]) else "\n" + text))
-            sys.stdout.flush()
-            printed = len(text)
-        elif isinstance(ev, DoneEvent):
-            tokens, text, thinking, cut = within_max_tokens(ev.tokens, ev.text, ev.thinking)
-            done = replace(ev, tokens=tokens, text=text, thinking=thinking, finish_reason="length") if cut else ev
-    if progress is not None:
-        progress.clear()
+    try:  # the step line is erased however the loop ends (Ctrl+C, an error): not left on the terminal
+        for ev in flagged(stream_generate(runtime, prompt, request=request, generation_config=gen_cfg,
+                                          enable_thinking=args.think, chat=not args.raw), request.params):
+            if isinstance(ev, PrefillEvent) and not args.json:
+                print(f"[prefill] {ev.tokens} tokens in {ev.seconds:.2f} s", file=sys.stderr)
+            if isinstance(ev, StepEvent) and trace is not None:
+                trace.add(ev)
+            if isinstance(ev, StepEvent) and progress is not None and not (shared_tty and printed):
+                progress.show(ev)
+            if isinstance(ev, StepEvent) and args.show_drafts and not args.json:
+                draft = printable(tokenizer.decode(ev.draft.tolist()).replace("\n", " "))
+                print(f"[block {ev.block} step {ev.step:>2}] T={ev.temperature:.3f} "
+                      f"accepted {int(ev.accepted.sum()):>3}/{ev.accepted.size} H={ev.mean_entropy:.3f} | {draft[:100]}",
+                      file=sys.stderr)
+            elif isinstance(ev, BlockEvent) and not args.json:
+                if progress is not None:
+                    progress.clear()
+                so_far += ev.tokens
+                text = within_max_tokens(so_far, ev.text, ev.thinking)[1]
+                # a model can emit any byte: control characters are shown escaped, never sent raw
+                sys.stdout.write(printable(text[printed:] if text.startswith(text[:printed]) else "\n" + text))
+                sys.stdout.flush()
+                printed = len(text)
+            elif isinstance(ev, DoneEvent):
+                tokens, text, thinking, cut = within_max_tokens(ev.tokens, ev.text, ev.thinking)
+                done = replace(ev, tokens=tokens, text=text, thinking=thinking, finish_reason="length") if cut else ev
+    finally:
+        if progress is not None:
+            progress.clear()
     assert done is not None
     if trace is not None:
         trace.export_jsonl(trace_out, tokenizer.decode)
@@ -460,9 +472,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     if ranks:
         with rank_terminal("chat"):
             return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
-                           think=args.think, system=args.system, memory_limit=memory_limit(args))
+                           think=args.think, system=args.system, memory_limit=memory_limit(args),
+                           quality=args.quality)
     return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
-                   think=args.think, system=args.system, memory_limit=memory_limit(args))
+                   think=args.think, system=args.system, memory_limit=memory_limit(args), quality=args.quality)
 
 
 def _follow_chat(args: argparse.Namespace, precision: str) -> int:
@@ -620,6 +633,7 @@ def add_model_commands(sub: argparse._SubParsersAction, command: str | None = No
     c.add_argument("--demo", action="store_true", help=DEMO_HELP)
     c.add_argument("--think", action="store_true", help="enable the thought channel (shown collapsed; Ctrl+O changes it)")
     c.add_argument("--system", metavar="TEXT", help="system prompt of the conversation (Ctrl+O changes it)")
+    add_quality_arg(c)
     add_precision_args(c)
     c.set_defaults(func=_cmd_chat)
 
@@ -742,7 +756,24 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_model_commands(sub, command)
     for command in sub.choices.values():  # --debug also after the subcommand (SUPPRESS: no clobbering)
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+        # no abbreviations: `--max-token 5` ran as --max-tokens, and a later flag with the same start
+        # would silently change what an old command line means
+        command.allow_abbrev = False
+    p.allow_abbrev = False
     return p
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args``, except that an unknown option is refused with the usage of the
+    command it was given to (argparse's top level said `usage: mlx-dgemma [-h] ... COMMAND`,
+    which lists none of that command's options)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = getattr(args, "command", None)
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        target = subparsers.choices.get(command, parser) if command else parser
+        target.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _negative_number(word: str) -> bool:
@@ -806,7 +837,7 @@ def _run(argv: list[str]) -> int:
             if not [a for a in argv if a != "--debug"]:  # bare `mlx-dgemma`: the help, "first time?" included
                 parser.print_help(sys.stderr)
                 return 2  # a usage error, as any missing argument is
-            args = parser.parse_args(joined_negative_values(argv))
+            args = parse_command_line(parser, joined_negative_values(argv))
             check_platform(args.command)
             from .launch import quiet_other_ranks
 

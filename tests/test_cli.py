@@ -286,6 +286,18 @@ def test_help_texts(capsys):
     assert "MAX_DENOISING_STEPS" not in generate and "--prompt-file PATH" in generate
 
 
+@pytest.mark.parametrize("flag", ["--bogus", "--max-token"])  # unknown, and a prefix of --max-tokens
+def test_an_unknown_flag_gets_its_commands_usage_and_no_abbreviation_runs(capsys, flag):
+    # before: `--max-token 5` ran as --max-tokens 5 (argparse's abbreviations), and an unknown flag
+    # got the top-level usage (`mlx-dgemma [-h] ... COMMAND`), which lists none of generate's flags
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--demo", "--prompt", "hi", flag, "5"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"mlx-dgemma generate: error: unrecognized arguments: {flag} 5" in err
+    assert "usage: mlx-dgemma generate" in err
+
+
 def test_bare_command_prints_the_first_time_text(capsys):
     assert main([]) == 2
     err = capsys.readouterr().err

@@ -369,8 +369,21 @@ def _serve_flags(**kw):
     import argparse
 
     base = dict(queue_size=1, max_body_mb=1.0, max_request_steps=1, max_request_seconds=None, max_connections=1, parallel=1,
-                header_timeout=1.0, body_timeout=1.0, api_key=None, cors=None, allowed_hosts=None, host="127.0.0.1")
+                header_timeout=1.0, body_timeout=1.0, api_key=None, cors=None, allowed_hosts=None, host="127.0.0.1",
+                port=8080)
     return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("port", [-1, 65536, 99999])
+def test_serve_refuses_a_port_out_of_range_before_loading(port):
+    # before: the model loaded, then bind()'s own words ("port must be 0-65535.") in a sentence about --host
+    from mlx_dgemma.errors import ParameterError
+    from mlx_dgemma.server.cli import check_args
+
+    with pytest.raises(ParameterError) as e:
+        check_args(_serve_flags(port=port))
+    assert str(e.value) == f"--port {port}: must be a port number in [0, 65535] (0 picks a free one)"
+    check_args(_serve_flags(port=0))  # a free port: allowed
 
 
 @pytest.mark.parametrize("host", ["", "  "])

@@ -282,3 +282,34 @@ def test_an_ignored_sighup_stays_ignored():
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "/nonexistent/model" in r.stderr and "interrupted" not in r.stderr, \
         (r.returncode, r.stderr[-2000:])
+
+
+# generate on a terminal, interrupted while its step line shows (SIGINT sent from the second step)
+GENERATE_INTERRUPTED = textwrap.dedent("""
+    import os, signal, sys, time
+    from mlx_dgemma import cli
+    real = cli.StepLine.show
+    def show(self, ev):
+        real(self, ev)
+        if ev.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+    cli.StepLine.show = show
+    sys.exit(cli.main(["generate", "--demo", "--prompt", "hi", "--seed", "0"]))
+""")
+
+
+def test_ctrl_c_during_generate_erases_the_step_line(tmp_path):
+    """The step line (`[block 1/4 step 2/48] ...`, stderr on a terminal) stayed on the terminal
+    after Ctrl+C, with the one line written after it; it is erased however the loop ends."""
+    run = _ChatOnPty([sys.executable, "-c", GENERATE_INTERRUPTED], tmp_path)
+    try:
+        code = run.wait(180)
+    finally:
+        run.close()
+    out = run.out
+    assert code == 130, (code, out[-800:])
+    last_step = out.rfind(b"[block 1/")
+    assert last_step >= 0, out[-800:]
+    assert b"\r\x1b[2K" in out[last_step:], out[last_step:]  # erased after the last step line
+    assert out.rstrip().endswith(b"mlx-dgemma generate: interrupted; nothing partial was kept"), out[-300:]

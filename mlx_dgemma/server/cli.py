@@ -70,6 +70,8 @@ def check_args(args: argparse.Namespace) -> None:
         if not (math.isfinite(v) and low <= v <= high):
             raise ParameterError(f"{flag} {v}: must be a number in [{low:g}, {high:g}]")
 
+    if not 0 <= args.port <= 65535:  # before the model loads, not as bind()'s own words after it
+        raise ParameterError(f"--port {args.port}: must be a port number in [0, 65535] (0 picks a free one)")
     if args.queue_size < 1:
         raise ParameterError(f"--queue-size {args.queue_size}: must be at least 1")
     finite("--max-body-mb", args.max_body_mb, 0.001, 1e6)
