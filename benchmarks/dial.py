@@ -38,6 +38,8 @@ from mlx_dgemma.bench.report import machine
 from mlx_dgemma.demo import demo_file
 from mlx_dgemma.events import DoneEvent, PrefillEvent
 from mlx_dgemma.generation import stream_generate
+from mlx_dgemma.params import QUALITIES
+from mlx_dgemma.request import GenerationRequest
 from mlx_dgemma.sampler import SamplerParams, temperature
 from mlx_dgemma.step import StepFunction
 
@@ -56,6 +58,8 @@ SETTINGS = {
     "stop entropy 0.05": {"confidence_threshold": 0.05},
     "stop entropy 0.05, stable 1": {"confidence_threshold": 0.05, "stability_threshold": 1},
     "stop entropy 0.05 only": {"confidence_threshold": 0.05, "stability_threshold": 0},
+    # the dial's named settings (mlx_dgemma.params.QUALITIES; max is the default row)
+    **{f"quality {q.name}": GenerationRequest.of(quality=q.name).params for q in QUALITIES if q.name != "max"},
 }
 
 

@@ -104,6 +104,52 @@ PARAMS: tuple[Param, ...] = (  # in the order of ``generate --help``
 
 
 @dataclass(frozen=True)
+class Quality:
+    """A named setting of the speed/quality dial (``--quality``, the server's ``quality`` field,
+    the chat settings' quality row): values for the stopping and acceptance parameters
+    (:data:`QUALITY_PARAMS`; None = the model's own default). Parameters a caller gives
+    besides it win over it."""
+
+    name: str
+    settings: tuple[tuple[str, Any], ...]  # one value per QUALITY_PARAMS entry
+    label: str  # in a few words, for the chat settings' choice
+    help: str  # what it does and what it costs, measured (benchmarks/RESULTS.md)
+
+
+# the parameters the dial sets (a preset sets every one of them: None = the model's default)
+QUALITY_PARAMS: tuple[str, ...] = ("stability_threshold", "confidence_threshold", "accept_probability")
+# measured on the fine-tuned demo and its K-quant copy: benchmarks/RESULTS.md, "The quality dial"
+QUALITIES: tuple[Quality, ...] = (
+    Quality("max", (("stability_threshold", None), ("confidence_threshold", None), ("accept_probability", None)),
+            "reference sampler",
+            "the model's own sampler (the reference: EntropyBound, stop once the canvas is stable and confident)"),
+    Quality("balanced", (("stability_threshold", 0), ("confidence_threshold", 0.05), ("accept_probability", None)),
+            "stop on entropy",
+            "EntropyBound, stop once mean entropy < 0.05 without waiting for a stable canvas: about half "
+            "the steps, most of the answer as max's"),
+    Quality("fast", (("stability_threshold", None), ("confidence_threshold", None), ("accept_probability", 0.9)),
+            "mlx-vlm's rule",
+            "mlx-vlm's default: reveal a position once its top probability reaches 0.9: about half the "
+            "steps, other answers"),
+)
+QUALITY_RULE = "one of " + ", ".join(q.name for q in QUALITIES)
+
+
+def quality(name: str) -> Quality:
+    """The dial's setting called ``name`` (ParameterError: not one of :data:`QUALITIES`)."""
+    found = next((q for q in QUALITIES if q.name == name), None)
+    if found is None:
+        raise ParameterError(f"quality = {name!r}: must be {QUALITY_RULE}", param="quality", rule=QUALITY_RULE)
+    return found
+
+
+def quality_of(values: Mapping[str, Any]) -> str | None:
+    """The dial's setting that ``values`` (sampler overrides; a missing name = the model's
+    default) amount to, or None where they match none (set by hand)."""
+    return next((q.name for q in QUALITIES if all(values.get(k) == v for k, v in q.settings)), None)
+
+
+@dataclass(frozen=True)
 class Order:
     """A rule between two parameters: ``low``'s value below ``high``'s."""
 

@@ -65,10 +65,15 @@ class GenerationRequest:
 
     @classmethod
     def of(cls, sampler: Mapping[str, Any] | None = None, *, logprobs: int | None = None,
-           template: CanvasTemplate | Iterable[Sequence[int]] | None = None) -> GenerationRequest:
+           template: CanvasTemplate | Iterable[Sequence[int]] | None = None,
+           quality: str | None = None) -> GenerationRequest:
         """A request from sampler settings by name (None values: not given, the model's default),
-        ``logprobs`` and ``template`` (a CanvasTemplate or its (position, token) pairs)."""
-        given = {k: tuple(v) if isinstance(v, list) else v for k, v in (sampler or {}).items() if v is not None}
+        ``logprobs`` and ``template`` (a CanvasTemplate or its (position, token) pairs).
+        ``quality``: a setting of the speed/quality dial (:data:`mlx_dgemma.params.QUALITIES`),
+        its values under those of ``sampler``."""
+        preset = dict(registry.quality(quality).settings) if quality is not None else {}
+        merged = {**preset, **{k: v for k, v in (sampler or {}).items() if v is not None}}
+        given = {k: tuple(v) if isinstance(v, list) else v for k, v in merged.items() if v is not None}
         order = {name: i for i, name in enumerate((*(p.name for p in registry.PARAMS), *TOKEN_IDS))}
         pairs = tuple(sorted(given.items(), key=lambda kv: order.get(kv[0], len(order))))
         return cls(pairs, logprobs, CanvasTemplate.of(template))

@@ -25,9 +25,10 @@ class ScriptedBackend:
                          "stability_threshold": 1, "confidence_threshold": 0.005, "max_new_tokens": 32}
 
     def __init__(self, steps: int = 6, blocks: int = 2, delay: float = 0.0, think: bool = False,
-                 system: str | None = None):
+                 system: str | None = None, sampler: dict | None = None):
         self.steps, self.blocks, self.delay = steps, blocks, delay
         self.think, self.system = think, system
+        self.sampler = dict(sampler or {})  # the sampler overrides to start with (chat --quality)
         self.systems: list[str | None] = []  # the system prompt of each new chat
         self.loaded = self.resets = 0
         self.closed = False

@@ -59,7 +59,8 @@ class DGemmaApp(App):
 
     def start_demo(self) -> None:
         old = self.backend  # the chat options given on the command line carry over to the demo
-        self.backend = ModelBackend(demo=True, think=getattr(old, "think", False), system=getattr(old, "system", None))
+        self.backend = ModelBackend(demo=True, think=getattr(old, "think", False), system=getattr(old, "system", None),
+                                    sampler=getattr(old, "sampler", None))
         self.load_error = None
         self.pop_screen()
         self._start()
@@ -179,16 +180,20 @@ def _signals_end_app(app: DGemmaApp) -> Iterator[None]:
 
 def run_app(model: str | None = None, demo: bool = False, dtype: str | None = None,
             precision: str = "auto", think: bool = False, system: str | None = None,
-            memory_limit: int | None = None) -> int:
+            memory_limit: int | None = None, quality: str | None = None) -> int:
     """Run the chat app; the exit status is non-zero if the user quits with no model loaded.
     ``think`` and ``system``: the thought channel and the system prompt to start with;
-    ``memory_limit``: ``--memory-limit`` in bytes (the load's and every answer's budget)."""
+    ``memory_limit``: ``--memory-limit`` in bytes (the load's and every answer's budget);
+    ``quality``: the speed/quality dial's setting to start with (``mlx_dgemma.params.QUALITIES``)."""
     from mlx_dgemma.errors import ModelFilesError
 
     from_env = not model and not demo
     model = str(user_path(model)) if model else (configured_model() if from_env else None)
+    from mlx_dgemma.request import GenerationRequest
+
+    sampler = GenerationRequest.of(quality=quality).params  # the chat's sampler overrides to start with
     backend = ModelBackend(model=model, demo=demo, dtype=dtype, precision=precision, think=think,
-                           system=system, memory_limit=memory_limit) if (model or demo) else None
+                           system=system, memory_limit=memory_limit, sampler=sampler) if (model or demo) else None
     if model and not demo and not Path(model).exists():
         source = " (from MLX_DGEMMA_MODEL)" if from_env else ""
         raise ModelFilesError(f"{model}{source}: no such file or directory; give a .gguf file or a directory "

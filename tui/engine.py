@@ -33,6 +33,7 @@ class Backend(Protocol):
     generation_config: dict[str, Any]  # the model's sampler defaults (known once loaded)
     think: bool  # the thought channel at start (``--think``); the settings screen can change it
     system: str | None  # the system prompt at start (``--system``); each new chat takes the current one
+    sampler: dict[str, Any]  # the sampler overrides at start (``--quality``); the settings screen changes them
 
     def load(self, progress: Callable[[str], None]) -> None:
         """Load the model, reporting progress as short lines; raise DGemmaError to fail."""
@@ -70,10 +71,11 @@ class ModelBackend:
 
     def __init__(self, model: str | None = None, demo: bool = False, dtype: str | None = None,
                  precision: str = "auto", think: bool = False, system: str | None = None,
-                 memory_limit: int | None = None):
+                 memory_limit: int | None = None, sampler: dict[str, Any] | None = None):
         self.model_path, self.demo, self.dtype, self.precision = model, demo, dtype, precision
         self.memory_limit = memory_limit  # --memory-limit: the load's and every answer's budget
         self.think, self.system = think, system or None
+        self.sampler = dict(sampler or {})  # the sampler overrides to start with (chat --quality)
         self.runtime = None  # the ModelRuntime, once loaded
         self.tokenizer = None
         self.generation_config: dict[str, Any] = {}

@@ -40,6 +40,24 @@ def _rule(p: params.Param, also: tuple[Any, str] | None = None) -> Any:
     return Annotated[Any, PlainValidator(check), Field(description=rule)]
 
 
+def _quality() -> Any:
+    """The speed/quality dial's setting as a request field: null (max, the model's own sampler)
+    or one of the registry's names, refused in the registry's words."""
+
+    def check(v: Any) -> Any:
+        if v is None:
+            return v
+        if not isinstance(v, str):
+            raise ValueError(f"must be {params.QUALITY_RULE}")
+        try:
+            params.quality(v)
+        except ParameterError:
+            raise ValueError(f"must be {params.QUALITY_RULE}") from None
+        return v
+
+    return Annotated[Any, PlainValidator(check), Field(description=params.QUALITY_RULE)]
+
+
 def check_unicode(text: str) -> str:
     """JSON may carry lone surrogates ("\\ud800"): not text any tokenizer or response can hold."""
     try:
@@ -186,6 +204,7 @@ def sampling_fields() -> type[Body]:
         stream=(bool, False),
         stream_options=(StreamOptions | None, None),
         n=(int, 1),
+        quality=(_quality(), None),  # the speed/quality dial; the fields in `ours` win over it
         **ours,
         diffusion=(DiffusionOptions | None, None),
         response_format=(Any, None),

@@ -165,6 +165,8 @@ class Shaping:
         elif req.temperature == 0:
             over["seed"] = GREEDY_SEED
         try:
+            if req.quality is not None:  # the dial's values under the fields given
+                over = {**GenerationRequest.of(quality=req.quality).params, **over}
             if req.temperature is not None and req.temperature != 1:
                 base = GenerationRequest.of(over).resolve(self.generation_config)
                 f = max(req.temperature, MIN_TEMPERATURE_FACTOR)

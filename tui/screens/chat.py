@@ -99,6 +99,7 @@ class ChatScreen(Screen):
 
     def on_mount(self) -> None:
         self.think, self.system = self.backend.think, self.backend.system
+        self.params = dict(getattr(self.backend, "sampler", None) or {})
         self._show_modes()
         self.set_interval(1 / REFRESH_HZ, self._flush)
         self.query_one(Input).focus()

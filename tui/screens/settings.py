@@ -10,7 +10,7 @@ from textual import on
 from textual.app import ComposeResult
 from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Checkbox, Input, Label
+from textual.widgets import Button, Checkbox, Input, Label, Select
 
 from mlx_dgemma.tokenizer import check_text
 
@@ -51,6 +51,12 @@ class SettingsScreen(ModalScreen[Settings | None]):
         with Vertical(id="settings"):
             yield Label("Settings (an empty sampler field = the model's default)", id="settings-title")
             with Grid(id="settings-grid"):
+                # the speed/quality dial: a setting fills the fields it sets (they stay editable)
+                yield Label("quality")
+                overrides = {k: v for k, v in self.values.items() if v != self.defaults.get(k)}
+                chosen = params.quality_of(overrides)
+                yield Select([(f"{q.name}: {q.label}", q.name) for q in params.QUALITIES], id="set-quality",
+                             prompt="custom (the fields below)", value=chosen if chosen else Select.BLANK)
                 for name, label, _ in FIELDS:
                     yield Label(label)
                     v = self.values.get(name)
@@ -65,6 +71,15 @@ class SettingsScreen(ModalScreen[Settings | None]):
             with Horizontal(id="settings-buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
+
+    @on(Select.Changed, "#set-quality")
+    def _quality(self, event: Select.Changed) -> None:
+        """A dial setting fills its fields: its value, or the model's default where it has none."""
+        if event.value is Select.BLANK:
+            return
+        for name, value in params.quality(str(event.value)).settings:
+            value = self.defaults.get(name) if value is None else value
+            self.query_one(f"#set-{name}", Input).value = "" if value is None else str(value)
 
     def _error(self, text: str) -> None:
         self.query_one("#settings-error", Label).update(text)
