@@ -383,6 +383,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 trace.add(ev)
             if isinstance(ev, StepEvent) and progress is not None and not (shared_tty and printed):
                 progress.show(ev)
+            if isinstance(ev, StepEvent) and args.show_drafts and not args.json and ev.attempt > 1 and ev.step == 1:
+                # a guard threw the block's drafts so far away (mlx_dgemma.guards): said, not silent
+                print(f"[block {ev.block}] re-rolled with a new key (attempt {ev.attempt}): the last attempt did "
+                      "not converge (--commit-entropy) or ended the turn before any text (--empty-rerolls)",
+                      file=sys.stderr)
             if isinstance(ev, StepEvent) and args.show_drafts and not args.json:
                 draft = printable(tokenizer.decode(ev.draft.tolist()).replace("\n", " "))
                 print(f"[block {ev.block} step {ev.step:>2}] T={ev.temperature:.3f} "

@@ -82,6 +82,20 @@ def test_blocks_count_from_1(spy, capsys, clean_env, tmp_path):
     assert [(r["block"], r["step"]) for r in records] == [(s.block, s.step) for s in steps]
 
 
+def test_show_drafts_says_when_a_guard_re_rolls_a_block(spy, capsys, clean_env):
+    # the demo's canvases do not converge in 2 steps: the commit guard re-rolls the block; the
+    # drafts started again at step 1 with no word of why
+    assert main(["generate", "--demo", "--prompt", "Hi", "--seed", "0", "--steps", "2", "--max-tokens", "64",
+                 "--show-drafts"]) == 0
+    steps = [ev for ev in spy[0]["events"] if isinstance(ev, StepEvent)]
+    retried = [ev for ev in steps if ev.attempt > 1 and ev.step == 1]
+    assert retried, "no re-roll on this run: the test cannot tell"
+    err = capsys.readouterr().err
+    for ev in retried:
+        assert f"[block {ev.block}] re-rolled with a new key (attempt {ev.attempt})" in err
+    assert err.count("re-rolled with a new key") == len(retried)
+
+
 def test_trace_header_records_the_sc_top_k_in_effect(capsys, clean_env, tmp_path):
     """fast self-conditions from the top 64 tokens unless asked otherwise; the header said null."""
     from mlx_dgemma.precision import FAST_SC_TOP_K
