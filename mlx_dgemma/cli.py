@@ -284,7 +284,7 @@ class StepLine:
         self.blocks, self.shown = blocks, False
 
     def show(self, ev: StepEvent) -> None:
-        self.stream.write(f"\r\x1b[2K[block {ev.block}/{self.blocks} step {ev.step}/{ev.max_steps}] "
+        self.stream.write(f"\r\x1b[2K[block {ev.block} (max {self.blocks}) step {ev.step}/{ev.max_steps}] "
                           f"accepted {int(ev.accepted.sum())}/{ev.accepted.size}, H={ev.mean_entropy:.3f}")
         self.stream.flush()
         self.shown = True

@@ -117,10 +117,10 @@ def test_step_line_on_a_terminal_only(spy, capsys, monkeypatch, clean_env):
     assert main(DEMO_RUN) == 0
     err = capsys.readouterr().err
     steps = [ev for ev in spy[0]["events"] if isinstance(ev, StepEvent)]
-    lines = re.findall(r"\r\x1b\[2K\[block (\d+)/(\d+) step (\d+)/(\d+)\] accepted \d+/64, H=[\d.]+", err)
+    lines = re.findall(r"\r\x1b\[2K\[block (\d+) \(max (\d+)\) step (\d+)/(\d+)\] accepted \d+/64, H=[\d.]+", err)
     assert [(int(b), int(s)) for b, _, s, _ in lines] == [(ev.block, ev.step) for ev in steps]  # one per step
     assert {(n_blocks, n_steps) for _, n_blocks, _, n_steps in lines} == {("2", "4")}  # 128 tokens: 2 blocks
-    assert err.index("[prefill]") < err.index("\r\x1b[2K[block 1/2 step 1/4]")
+    assert err.index("[prefill]") < err.index("\r\x1b[2K[block 1 (max 2) step 1/4]")
     assert re.search(r"H=[\d.]+\r\x1b\[2K\[done\]", err)  # erased before the summary (and the answer)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main([*DEMO_RUN, "--json"]) == 0  # --json: nothing but the JSON and errors

@@ -300,7 +300,7 @@ GENERATE_INTERRUPTED = textwrap.dedent("""
 
 
 def test_ctrl_c_during_generate_erases_the_step_line(tmp_path):
-    """The step line (`[block 1/4 step 2/48] ...`, stderr on a terminal) stayed on the terminal
+    """The step line (`[block 1 (max 4) step 2/48] ...`, stderr on a terminal) stayed on the terminal
     after Ctrl+C, with the one line written after it; it is erased however the loop ends."""
     run = _ChatOnPty([sys.executable, "-c", GENERATE_INTERRUPTED], tmp_path)
     try:
@@ -309,7 +309,7 @@ def test_ctrl_c_during_generate_erases_the_step_line(tmp_path):
         run.close()
     out = run.out
     assert code == 130, (code, out[-800:])
-    last_step = out.rfind(b"[block 1/")
+    last_step = out.rfind(b"[block 1 (max")
     assert last_step >= 0, out[-800:]
     assert b"\r\x1b[2K" in out[last_step:], out[last_step:]  # erased after the last step line
     assert out.rstrip().endswith(b"mlx-dgemma generate: interrupted; nothing partial was kept"), out[-300:]

@@ -29,7 +29,8 @@ def fit(parts: Parts, width: int, sep: str = SEP) -> str:
 def step_parts(ev: StepEvent, blocks: int, spf: float, tpf: float | None, prefill_tps: float | None,
                memory: int, note: str = "", precision: str = "") -> Parts:
     """The live (or replayed) step: where, how hot, how fast, how much memory, which precision."""
-    parts = [(f"block {ev.block}/{blocks}", 0), (f"step {ev.step}/{ev.max_steps}", 0),
+    # <=: the blocks max new tokens allows, an answer may end sooner ("block 1/4" read as 1 of 4)
+    parts = [(f"block {ev.block}/≤{blocks}", 0), (f"step {ev.step}/{ev.max_steps}", 0),
              (f"T={ev.temperature:.3f}", 3), (f"{ev.seconds if spf == 0 else spf:.2f} s/step", 1)]
     if tpf is not None:
         parts.append((f"{tpf:.2f} tok/fwd", 4))
