@@ -429,3 +429,23 @@ async def test_a_refused_message_goes_back_to_the_prompt():
                        and "shorten the prompt" in str(screen(app).query_one("#status").render()))
         await pilot.pause()
         assert screen(app).query_one("#prompt").value == "a long message"
+
+
+@pytest.mark.parametrize("width", [80, 120])
+async def test_notices_sit_over_the_conversation_not_the_canvas_chart_or_status(width):
+    """Textual puts toasts bottom right: over the entropy chart (and at 80 columns over the
+    status line). They sit top left now, within the conversation's pane."""
+    from textual.widgets._toast import Toast
+
+    backend = ScriptedBackend(steps=2, blocks=1)
+    app = DGemmaApp(backend)
+    async with app.run_test(size=(width, 30), notifications=True) as pilot:
+        await wait_for(pilot, lambda: backend.loaded)
+        app.notify("A notice long enough to wrap over more than one line of the pane, as real ones do.")
+        await wait_for(pilot, lambda: bool(app.screen.query(Toast)))
+        await pilot.pause(0.1)
+        toast = app.screen.query(Toast).first().region
+        pane = app.screen.query_one("#chat-pane").region
+        assert toast.x == pane.x and toast.right <= pane.right, (toast, pane)
+        for other in ("#canvas", "#chart", "#status"):
+            assert not toast.overlaps(app.screen.query_one(other).region), (other, toast)
