@@ -142,3 +142,17 @@ async def test_ctrl_q_quits_from_the_settings_dialog():
         await pilot.press("ctrl+q")
         await pilot.pause()
     assert app.return_code == 0
+
+
+async def test_settings_show_every_fields_error_at_once():
+    # before: the first error only; a user with three mistakes saved three times to see them
+    async with settings_open() as (app, pilot, backend):
+        app.screen.query_one("#set-t_max").value = "5000"
+        app.screen.query_one("#set-max_denoising_steps").value = "many"
+        app.screen.query_one("#set-entropy_bound").value = "-1"
+        await pilot.click("#save")
+        assert isinstance(app.screen, SettingsScreen)
+        lines = str(app.screen.query_one("#settings-error").render()).splitlines()
+        assert lines == ["max steps per block: 'many' is not a whole number",
+                         "first-step temperature: 5000 must be a temperature in [0.001, 1000]",
+                         "entropy bound: -1 must be a number in [1e-12, 1e9]"]

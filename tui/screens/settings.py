@@ -95,25 +95,34 @@ class SettingsScreen(ModalScreen[Settings | None]):
 
     @on(Button.Pressed, "#save")
     def _save(self) -> None:
-        chosen, typed = {}, {}
+        chosen, typed, errors = {}, {}, []
         for name, label, kind in FIELDS:
             raw = self.query_one(f"#set-{name}", Input).value.strip()
             if not raw:
                 continue  # cleared: the model's default
             try:
-                chosen[name] = kind(raw)
-                typed[name] = raw
+                value = kind(raw)
             except ValueError:
-                self._error(f"{label}: {raw!r} is not {KIND_NAMES[kind]}")
-                return
+                errors.append(f"{label}: {raw!r} is not {KIND_NAMES[kind]}")
+                continue
+            chosen[name], typed[name] = value, raw
         # the fields that differ from the model's defaults, as the core's request: each field's own
-        # range first (the registry's rule, e.g. a temperature in [0.001, 1000]), then the rules
-        # between fields on the values in effect: 5000 is out of range, not "above the temperature floor"
+        # range first (the registry's rule, e.g. a temperature in [0.001, 1000]), every field's
+        # error at once (one a save was a round trip per mistake), then the rules between fields on
+        # the values in effect: 5000 is out of range, not "above the temperature floor"
         overrides = {k: v for k, v in chosen.items() if v != self.defaults.get(k)}
-        try:
-            GenerationRequest.of(overrides).resolve(self.defaults)
-        except ParameterError as e:
-            self._error(e.restated(LABELS.get(e.param, str(e.param)), typed.get(e.param)))
+        for name, value in overrides.items():
+            try:
+                GenerationRequest.of({name: value})
+            except ParameterError as e:
+                errors.append(e.restated(LABELS.get(e.param, str(e.param)), typed.get(e.param)))
+        if not errors:
+            try:
+                GenerationRequest.of(overrides).resolve(self.defaults)
+            except ParameterError as e:
+                errors.append(e.restated(LABELS.get(e.param, str(e.param)), typed.get(e.param)))
+        if errors:
+            self._error("\n".join(errors))
             return
         system = self.query_one("#set-system", Input).value.strip() or None
         if system is not None:
