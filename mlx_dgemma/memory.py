@@ -222,8 +222,10 @@ def _cgroup_headroom() -> int:
 
 
 def gb(n: int) -> str:
-    """Bytes as people and --memory-limit read them: GB = 10^9 (as the README's tables), MB = 10^6."""
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
+    """Bytes as people and --memory-limit read them: GB = 10^9 (as the README's tables), MB = 10^6
+    below 1 GB (104 and 103 MB were both "0.10 GB": a refusal read "needs 0.10 GB but 0.10 GB is
+    available")."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
 def check_fits(est: MemoryEstimate, prompt_tokens: int, available: int | None = None,

@@ -35,6 +35,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass
 from decimal import Decimal
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import DGemmaError, MemoryBudgetError, ParameterError
@@ -165,15 +166,24 @@ class Plan:
         stored = self.stored if self.stored in AUTO_ORDER else "fast"
         return AUTO_ORDER[AUTO_ORDER.index(stored):]
 
+    @property
+    def is_demo(self) -> bool:
+        """The model is the built-in demo (the package's GGUF): its forms take milliseconds to
+        make, and a directory of them must not be named like the real model's."""
+        from .demo import trained_demo_path
+
+        return self.gguf is not None and Path(self.gguf).resolve() == trained_demo_path().resolve()
+
     def convert_command(self, precision: str) -> str:
         """The command that writes ``precision``'s form: from this .gguf, or the one this
         directory was converted from (config.json names it), to a directory beside it."""
         src = self.gguf or "FILE.gguf"
         if self.stored != "gguf":
             return f"mlx-dgemma convert {src} {self.model.rstrip('/')}-{precision} --precision {precision}"
-        if precision == "exact":  # convert's default, to the directory README names
-            return f"mlx-dgemma convert {src} ~/models/dgemma"
-        return f"mlx-dgemma convert {src} ~/models/dgemma-{precision} --precision {precision}"
+        name = "dgemma-demo" if self.is_demo else "dgemma"  # README's directory for the real model
+        if precision == "exact":  # convert's default
+            return f"mlx-dgemma convert {src} ~/models/{name}"
+        return f"mlx-dgemma convert {src} ~/models/{name}-{precision} --precision {precision}"
 
     def wired_hint(self, precision: str) -> str | None:
         """On a Mac, the ``sysctl`` that raises the GPU's limit so ``precision`` fits (converted
@@ -208,7 +218,7 @@ class Plan:
         form = self.best_form(forms)
         if fit is not None:
             line = f"--precision {fit} fits ({gb(self.row(fit).needed_bytes)})"
-            if fit != self.stored:  # made at every start from this form: once, on disk, it loads in seconds
+            if fit != self.stored and not self.is_demo:  # made at every start: once, on disk, it loads in seconds
                 line += f"; to load it without re-quantizing at every start: `{self.convert_command(fit)}`"
             out.append(line)
         elif form is not None:
@@ -286,7 +296,7 @@ class Plan:
             lines.append("  auto: nothing fits; " + "; ".join(self.advice("auto")))
         else:
             lines.append(f"  auto loads: {best}")
-            if best != self.stored:  # made at every start from the stored form
+            if best != self.stored and not self.is_demo:  # made at every start (the demo's in milliseconds)
                 lines.append(f"  to load {best} without re-quantizing at every start: `{self.convert_command(best)}`")
         fast = self.row("fast")
         if fast.repacked and fast.fits:

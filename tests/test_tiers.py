@@ -542,3 +542,23 @@ def test_verify_of_a_lossy_directory_prints_one_summary_line(tmp_path, all_types
     assert len(lines) == 2 and lines[1].startswith(f"verified {report.checked} tensors")
     assert lines[0].startswith(f"  {len(report.max_abs_error)} lossy tensors: worst max |q4 - exact| ")
     assert f"{report.max_abs_error[worst]:.3g} ({worst})" in lines[0]
+
+
+def test_the_demo_is_not_planned_like_the_real_model(capsys):
+    """`plan --demo` told the user to convert the 11 MB demo to `~/models/dgemma-fast` (the real
+    model's directory) "to load it without re-quantizing at every start" (milliseconds), and a
+    refusal read "needs about 0.10 GB ... but 0.10 GB is available" (104 and 103 MB)."""
+    from mlx_dgemma.demo import trained_demo_path
+    from mlx_dgemma.loader import plan_model
+    from mlx_dgemma.memory import gb
+
+    assert main(["plan", "--demo"]) == 0
+    out = capsys.readouterr().out
+    assert "auto loads: fast" in out and "convert" not in out and "dgemma-fast" not in out
+    plan = plan_model(trained_demo_path(), memory_limit=103 * 10**6)
+    assert plan.is_demo
+    refusal = plan.refusal("exact")
+    assert "needs about 104 MB" in refusal and "but 103 MB is available" in refusal, refusal
+    assert "convert" not in refusal and "--precision q4 fits" in refusal
+    assert plan.convert_command("q4").endswith("~/models/dgemma-demo-q4 --precision q4")
+    assert (gb(999_000_000), gb(1_000_000_000), gb(104_000_000)) == ("999 MB", "1.00 GB", "104 MB")
