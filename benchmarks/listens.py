@@ -1,6 +1,6 @@
 """Does the demo listen to its prompt? Word overlap of its answers across prompts and seeds.
 
-    python benchmarks/listens.py [--model FILE.gguf] [--prompts 6] [--seeds 3] [--json out.json]
+    python benchmarks/listens.py [--model FILE.gguf] [--prompts 6] [--seeds 3] [--set KEY=VALUE ...] [--json out.json]
 
 Each of the first ``--prompts`` prompts of ``mlx-dgemma bench --e2e`` (``bench.e2e.PROMPTS``:
 verses to continue and free questions, chosen before this benchmark existed) is answered with
@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6, help=f"the first N of bench's {len(PROMPTS)} prompts")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a sampler override instead of the file's default (repeatable), e.g. t_max=0.15")
     ap.add_argument("--answers", type=Path, default=None,
                     help="recompute the overlap figures from the answers of an earlier --json (no generation)")
     args = ap.parse_args()
@@ -93,20 +95,21 @@ def main() -> None:
         ap.error(f"--prompts must be in [2, {len(PROMPTS)}] and --seeds at least 2")
     td = train_demo()
     words = td.train_words()
+    overrides = {k: float(v) if "." in v or "e" in v else int(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     path = args.model or demo_file()
     rt = load(path)
     answers, steps, n_words, n_known = {}, [], 0, 0
     t0 = time.perf_counter()
     for p, prompt in enumerate(PROMPTS[: args.prompts]):
         for s in range(args.seeds):
-            done = [ev for ev in stream_generate(rt, prompt, seed=s) if isinstance(ev, DoneEvent)][0]
+            done = [ev for ev in stream_generate(rt, prompt, seed=s, **overrides) if isinstance(ev, DoneEvent)][0]
             answers[(p, s)] = done.text
             steps += list(done.steps_per_block)
             ws = [w.lower() for w in td.WORD.findall(done.text)]
             n_words += len(ws)
             n_known += sum(w in words for w in ws)
             print(f"p{p} s{s} {list(done.steps_per_block)} {prompt!r} -> {done.text!r}", flush=True)
-    res = {"model": str(path), "machine": machine(), "seconds": round(time.perf_counter() - t0, 1),
+    res = {"model": str(path), "machine": machine(), "overrides": overrides, "seconds": round(time.perf_counter() - t0, 1),
            "prompts": list(PROMPTS[: args.prompts]), "seeds": list(range(args.seeds)),
            **overlap(answers, td.WORD),
            "corpus_words": n_known / n_words if n_words else None, "words": n_words,

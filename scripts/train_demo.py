@@ -508,12 +508,14 @@ def fit(args: argparse.Namespace, *, data_name: str, log_name: str, out: Path, i
     no_decay = [p for p in params if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95))
-    train_b = Batches(data, False, batch, SEED)
+    # --data-seed gives a later fine-tuning stage batches and noise of its own; with the
+    # default every stage would draw the first stage's batches again.
+    train_b = Batches(data, False, batch, args.data_seed)
     held_b = Batches(data, True, batch, SEED + 1)
     rng = np.random.default_rng(SEED + 2)
     held_pick = rng.choice(np.flatnonzero(data["held_out"]), size=min(args.held_out, held_b.n), replace=False)
     gen = torch.Generator(device=device)
-    gen.manual_seed(SEED)
+    gen.manual_seed(args.data_seed)
     log_path = BUILD / log_name
     log = log_path.open("a" if append else "w")
     budget = f"{minutes} min max" if minutes else "no time limit"
@@ -864,6 +866,8 @@ def main() -> None:
                                       "plot", "all"])
     ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--data-seed", type=int, default=SEED,
+                    help="train, finetune: seed of the batches and the noise (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--minutes", type=float, default=7.5,
                     help="training wall-time budget (the shipped model: 7.5 on one H100)")
