@@ -158,3 +158,19 @@ def test_the_welcome_screen_and_the_help_say_where_to_download_the_model():
     help_text = build_parser([]).format_help()
     for shown in (WELCOME, help_text):
         assert download in re.sub(r"\s*\\\n\s*", " ", shown), shown
+
+
+def test_the_welcome_convert_command_writes_a_form_this_mac_runs():
+    """The welcome screen's command wrote the exact form (21.36 GB), which a 24 or 32 GB Mac then
+    refused to load; it asks for the most exact form that runs here (`--precision auto`)."""
+    import re
+    import shlex
+
+    from mlx_dgemma.cli import build_parser
+    from mlx_dgemma.tui.screens.welcome import WELCOME
+
+    joined = re.sub(r"\s*\\\n\s*", " ", WELCOME)
+    command = next(line for line in joined.splitlines() if line.startswith("mlx-dgemma convert "))
+    args = build_parser(["convert"]).parse_args(shlex.split(command)[1:])
+    assert args.command == "convert" and args.precision == "auto", command
+    assert "mlx-dgemma chat --model ~/models/dgemma" in WELCOME and args.out_dir == "~/models/dgemma"

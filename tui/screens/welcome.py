@@ -13,15 +13,19 @@ from textual.widgets import Button, Footer, Markdown, Static
 
 WELCOME = """\
 DiffusionGemma is published on Hugging Face as a GGUF file (16.8 GB). Download it,
-convert it once (losslessly) and chat with it:
+convert it once to the form this Mac runs and chat with it:
 
 ```
 hf download unsloth/diffusiongemma-26B-A4B-it-GGUF \\
     diffusiongemma-26B-A4B-it-Q4_K_M.gguf --local-dir .
 mlx-dgemma convert diffusiongemma-26B-A4B-it-Q4_K_M.gguf \\
-    ~/models/dgemma
+    ~/models/dgemma --precision auto
 mlx-dgemma chat --model ~/models/dgemma
 ```
+
+`--precision auto` writes the most exact form that runs here: the exact one (bit for bit)
+where memory allows, a smaller one on smaller Macs (`mlx-dgemma plan FILE.gguf` shows
+which, before you convert; `--machine all`: every Mac).
 
 `--model FILE.gguf` also works (converted in memory at every start).
 `export MLX_DGEMMA_MODEL=~/models/dgemma` makes it the default.
