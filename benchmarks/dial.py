@@ -99,7 +99,9 @@ def one(rt, text: str, seed: int, overrides: dict) -> dict:
             done = ev
     wall = time.perf_counter() - t0
     ids = _answer_tokens(list(done.tokens), eos)
-    return {"ids": ids, "text": tok.decode(ids), "wall_s": wall, "prefill_s": prefill,
+    # the text as the user reads it (done.text: padding a block wrote mid-answer is not text; decoded
+    # raw, each pad was a "<pad>" word that counted against the corpus-word share)
+    return {"ids": ids, "text": done.text, "wall_s": wall, "prefill_s": prefill,
             "steps_per_block": list(done.steps_per_block)}
 
 

@@ -70,20 +70,22 @@ def test_the_fair_ratios_compare_quantized_rows(monkeypatch):
     assert rows["mlx-vlm-default"].get("bits", "default") == "default"  # e2e_mlx_vlm's default: 8-bit
     assert rows["mlx-vlm-dense-default"]["bits"] is None
     fake = {"ours-default": 2.0, "mlx-vlm-default": 4.0, "mlx-vlm-entropy-bound": 1.0, "ours-confidence": 3.0,
-            "mlx-vlm-dense-default": 8.0}
+            "ours-balanced": 5.0, "mlx-vlm-dense-default": 8.0}
 
     import mlx_dgemma.bench.e2e as e2e
 
     def measured(target, timeout=None, model=None, prompts=(), seeds=(), **kw):
         name = next(n for n, t, k in ROWS if t == target and k.get("sampler") == kw.get("sampler")
                     and k.get("bits", "d") == kw.get("bits", "d")
-                    and k.get("overrides", {}).get("accept_probability") == kw["overrides"].get("accept_probability"))
+                    and k.get("overrides", {}) == kw["overrides"])
         return {"impl": name, "answer_tokens_per_s": fake[name]}
 
     monkeypatch.setattr(e2e, "isolated", measured)
     entry = run_e2e(["m.gguf"], ["p"], [0])["models"]["m.gguf"]
     assert entry["ours_vs_mlx_vlm_defaults"] == 0.5 and entry["ours_vs_mlx_vlm_entropy_bound"] == 2.0
     assert entry["ours_vs_mlx_vlm_confidence"] == 0.75 and entry["ours_vs_mlx_vlm_dense_defaults"] == 0.25
+    assert entry["ours_balanced_vs_mlx_vlm_default"] == 1.25  # the dial's balanced row against the peer's default
+    assert rows["ours-balanced"]["overrides"] == {"stability_threshold": 0, "confidence_threshold": 0.05}
 
 
 def test_missing_model_is_one_line(tmp_path):
@@ -112,3 +114,21 @@ def test_interleaved_rows_give_the_same_answers(tiny_gguf):
         assert entry[name]["impl"] == row["impl"] and entry[name]["sampler"] == row["sampler"]
         assert [r["answer_ids"] for r in entry[name]["runs"]] == [r["answer_ids"] for r in row["runs"]]
         assert [r["prompt"] for r in entry[name]["runs"]] == prompts
+
+
+def test_the_table_keeps_its_columns_under_a_long_sampler_label():
+    # "confidence threshold 0.9 (--quality fast)" pushed its row's numbers out of line
+    from mlx_dgemma.bench.e2e import e2e_table
+
+    def row(impl: str, sampler: str) -> dict:
+        return {"impl": impl, "sampler": sampler, "answer_tokens_per_s": 1.0, "mean_steps_per_block": 2.0,
+                "s_per_step": 0.5, "tokens_per_forward": 3.0, "median_first_block_s": 1.0,
+                "prefill_tokens_per_s": 10.0, "answer_tokens": 7}
+
+    table = e2e_table({"machine": {"platform": "p", "device": "cpu", "mlx": "0"}, "prompts": ["x"],
+                       "models": {"m.gguf": {"a": row("ours", "EntropyBound"),
+                                             "b": row("ours", "confidence threshold 0.9 (--quality fast)"),
+                                             "c": row("a much longer implementation name than forty-two", "x")}}})
+    lines = [ln for ln in table.splitlines() if ln.rstrip().endswith(" 7")]
+    assert len(lines) == 3
+    assert len({ln.index(" 1.00 ") for ln in lines}) == 1 and len({len(ln) for ln in lines}) == 1, table

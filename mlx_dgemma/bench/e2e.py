@@ -41,6 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlx_dgemma.params import quality_of
+from mlx_dgemma.request import GenerationRequest
+
 from .isolate import isolated
 from .report import machine
 from .timing import log
@@ -100,6 +103,9 @@ def _ours_answerer(model: str, precision: str = "auto", overrides: dict | None =
     eos = SamplerParams.from_config(rt.generation_config, **overrides).eos_token_id
     sampler = ("confidence threshold " + str(overrides["accept_probability"])) \
         if overrides.get("accept_probability") is not None else "EntropyBound"
+    dial = quality_of(overrides)
+    if dial is not None and dial != "max":  # a setting of the speed/quality dial: say which
+        sampler += f" (--quality {dial})"
 
     def answer(text: str, seed: int) -> dict:
         ids = _prompt_ids(tok, text)
@@ -332,6 +338,8 @@ ROWS = (
     ("mlx-vlm-default", "mlx_dgemma.bench.e2e:e2e_mlx_vlm", {"sampler": "confidence-threshold"}),
     ("mlx-vlm-entropy-bound", "mlx_dgemma.bench.e2e:e2e_mlx_vlm", {"sampler": "entropy-bound"}),
     ("ours-confidence", "mlx_dgemma.bench.e2e:e2e_ours", {"overrides": {"accept_probability": MLX_VLM_THRESHOLD}}),
+    # the dial's middle setting (--quality balanced: EntropyBound, stop on mean entropy alone)
+    ("ours-balanced", "mlx_dgemma.bench.e2e:e2e_ours", {"overrides": GenerationRequest.of(quality="balanced").params}),
     ("mlx-vlm-dense-default", "mlx_dgemma.bench.e2e:e2e_mlx_vlm", {"sampler": "confidence-threshold", "bits": None}),
 )
 # (key, numerator row, denominator row, what the ratio compares)
@@ -342,6 +350,8 @@ RATIOS = (
      "ours / mlx-vlm (both quantized), both EntropyBound"),
     ("ours_vs_mlx_vlm_confidence", "ours-confidence", "mlx-vlm-default",
      "ours / mlx-vlm (both quantized), both confidence threshold"),
+    ("ours_balanced_vs_mlx_vlm_default", "ours-balanced", "mlx-vlm-default",
+     "ours --quality balanced / mlx-vlm (both quantized) with its default sampler"),
     ("ours_vs_mlx_vlm_dense_defaults", "ours-default", "mlx-vlm-dense-default",
      "ours / mlx-vlm dense float32 (reference), each with its default sampler"),
 )
@@ -377,7 +387,10 @@ def e2e_table(result: dict) -> str:
     """The human-readable table of :func:`run_e2e`'s result."""
     lines = [f"machine: {result['machine']['platform']} ({result['machine']['device']}, "
              f"mlx {result['machine']['mlx']}); {len(result['prompts'])} prompts"]
-    head = (f"{'implementation':<42} {'sampler':<24} {'ans tok/s':>9} {'steps/blk':>9} {'s/step':>7} "
+    rows = [r for entry in result["models"].values() for r in entry.values() if isinstance(r, dict)]
+    iw = max([42, *(len(r.get("impl", "")) for r in rows)])  # the columns as wide as their longest label
+    sw = max([24, *(len(r.get("sampler", "")) for r in rows)])
+    head = (f"{'implementation':<{iw}} {'sampler':<{sw}} {'ans tok/s':>9} {'steps/blk':>9} {'s/step':>7} "
             f"{'tok/fwd':>7} {'1st blk s':>9} {'prefill tok/s':>13} {'ans tok':>7}")
     for model, entry in result["models"].items():
         lines += ["", f"## {Path(model).name}", head]
@@ -385,9 +398,9 @@ def e2e_table(result: dict) -> str:
             if not isinstance(r, dict):
                 continue
             if "skipped" in r:
-                lines.append(f"{r['impl']:<42} skipped: {r['skipped']}")
+                lines.append(f"{r['impl']:<{iw}} skipped: {r['skipped']}")
                 continue
-            lines.append(f"{r['impl']:<42} {r['sampler']:<24} {r['answer_tokens_per_s']:>9.2f} "
+            lines.append(f"{r['impl']:<{iw}} {r['sampler']:<{sw}} {r['answer_tokens_per_s']:>9.2f} "
                          f"{r['mean_steps_per_block']:>9.1f} {r['s_per_step']:>7.3f} {r['tokens_per_forward']:>7.2f} "
                          f"{r['median_first_block_s']:>9.2f} {r['prefill_tokens_per_s']:>13.1f} "
                          f"{r['answer_tokens']:>7}")
