@@ -109,3 +109,11 @@ async def test_settings_quality_row_fills_its_fields_and_reaches_the_answer():
         app.screen.query_one("#save").press()
         await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
         assert screen(app).params == {}
+
+
+def test_the_settings_notice_names_the_dials_setting():
+    from mlx_dgemma.tui.screens.settings import Settings, describe
+
+    balanced = describe(Settings(GenerationRequest.of(quality="balanced").params))
+    assert balanced.startswith("Sampler settings (quality balanced): stability threshold 0, confidence threshold 0.05")
+    assert describe(Settings({"seed": 3})).startswith("Sampler settings: seed")  # max: not named

@@ -141,5 +141,7 @@ def describe(settings: Settings) -> str:
     chat = f" Thought channel {'on' if settings.think else 'off'}."
     if not overrides:
         return "Sampler settings: the model's defaults." + chat
-    return "Sampler settings: " + ", ".join(f"{LABELS.get(k, k)} {v}" for k, v in overrides.items()) + \
-        "; the rest are the model's defaults." + chat
+    dial = params.quality_of(overrides)
+    named = f" (quality {dial})" if dial not in (None, "max") else ""
+    return "Sampler settings" + named + ": " + ", ".join(f"{LABELS.get(k, k)} {v}" for k, v in overrides.items()) \
+        + "; the rest are the model's defaults." + chat
