@@ -260,8 +260,14 @@ class ModelWorker(Generic[R]):
             try:
                 if ticket.started is None:
                     ticket.started = time.perf_counter()
+                cancelled = ticket.cancelled  # before this turn: the turn is the job's chance to see it
                 try:
                     more = ticket.run(ticket) is True  # only True: a callable returning anything else is done
+                    if more and cancelled:
+                        # a job that asks for more turns after a whole turn with its cancel set would
+                        # hold the model for ever (a test job once did, for the rest of the suite)
+                        log.warning("a cancelled job asked for another turn; it is ended")
+                        more = False
                 finally:
                     if not more:
                         self.completed += 1

@@ -206,3 +206,21 @@ def test_a_job_cancelled_before_its_first_turn_never_runs():
     gate.set()
     assert a.done.wait(10) and ran == [] and skipped == ["a"]
     w.stop()
+
+
+def test_a_cancelled_job_that_asks_for_more_turns_is_ended():
+    # a job returning True after its cancel (it never polls it) was given turns for ever: the
+    # worker span, and stop() could not end it; it now gets one turn to see the cancel, no more
+    turns = []
+    w = ModelWorker(lambda: None)
+    w.start()
+    stubborn = w.submit(lambda t: turns.append(t.cancelled) or True)
+    while not turns:
+        threading.Event().wait(0.01)
+    stubborn.cancel()
+    assert stubborn.done.wait(10), "the cancelled job is still taking turns"
+    # one whole turn after the cancel (two where it landed between the worker's look and the job's)
+    assert turns[-1] is True and 1 <= turns.count(True) <= 2
+    after = w.submit(lambda t: None)
+    assert after.done.wait(10)
+    assert w.stop()
