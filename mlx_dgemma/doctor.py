@@ -73,7 +73,7 @@ def real_shapes_layer(precision: str = "exact") -> tuple[Any, list[int], dict]:
     from mlx_dgemma.bench.configs import CONFIGS
     from mlx_dgemma.convert.synthetic import TinySpec, write_tiny_gguf
 
-    from .loader import load
+    from mlx_dgemma.loader import load
 
     spec = dict(CONFIGS["real-shapes"])
     spec.update(num_layers=1, global_layers=(), vocab_size=LAYER_VOCAB, canvas_length=LAYER_CANVAS)
@@ -99,7 +99,7 @@ MODEL_CANVAS = 32  # a real model's canvas is 256; the first positions are enoug
 
 def precisions_to_check(choice: str) -> list[str]:
     """"auto": exact, plus fast where its dtype differs from float32 (on a GPU); or one of them."""
-    from .precision import fast_dtype
+    from mlx_dgemma.precision import fast_dtype
 
     if choice == "auto":
         return ["exact"] + (["fast"] if fast_dtype() != mx.float32 else [])
@@ -132,9 +132,9 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
     ``timed``: also time a short answer on the demo (and the model's first layers) in each
     precision checked (:class:`Timing`, ``--report``)."""
     t0 = time.perf_counter()
-    from .paths import check_model_path
-    from .precision import apply_precision, resolve_precision
-    from .sampler import SamplerParams
+    from mlx_dgemma.paths import check_model_path
+    from mlx_dgemma.precision import apply_precision, resolve_precision
+    from mlx_dgemma.sampler import SamplerParams
 
     prog = progress or Progress(enabled=False)
     if not isinstance(layers, int) or layers < 1:
@@ -180,7 +180,7 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
             report.checks.extend(checks)
 
     def demo(prec: str):
-        from .loader import load_demo
+        from mlx_dgemma.loader import load_demo
 
         runtime = load_demo(precision=prec)
         return runtime.model, runtime.tokenizer.encode(FIXED_PROMPT), runtime.generation_config
@@ -194,8 +194,8 @@ def run_doctor(model_path: str | None = None, *, cases: Sequence[str] = CASES, p
         check_case("real-shapes layer", real_shapes_layer, LAYER_CANVAS)
     if path is not None:
         def first(prec: str):
-            from .loader import load_layers
-            from .progress import ProgressBar
+            from mlx_dgemma.loader import load_layers
+            from mlx_dgemma.progress import ProgressBar
 
             bar = ProgressBar("converting in memory", unit="tensors", scale=1) if prog.enabled else None
             runtime = load_layers(path, layers, prec, progress=bar.update if bar else None)
@@ -241,7 +241,7 @@ def main(args: Any, perturb: Perturb | None = None, out: TextIO | None = None) -
     out = out or sys.stdout
     report_path = None
     if getattr(args, "report", None) is not None:  # refused before any check: unwritable, empty, an input
-        from .demo import trained_demo_path
+        from mlx_dgemma.demo import trained_demo_path
 
         report_path = check_output_file(args.report, "--report", [args.model, trained_demo_path()],
                                         example="doctor-report.json")

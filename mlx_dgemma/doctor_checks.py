@@ -268,7 +268,6 @@ def matmul_check(perturb: Perturb | None = None) -> Check:
                                       f"mlx-dgemma in a fresh process, or start it with {TF32_ENV}=0)")
     return Check("device", "exact (float32)", "matmul", err, MATMUL_TOLERANCE, ok, detail, provisional=True)
 
-# --------------------------------------------------------------------------------------------
-# the cases' models
 
+# the prompt of every case (and of --report's timed answers)
 FIXED_PROMPT = "In the beginning God created the heaven and the earth. And the earth was without form."

@@ -81,8 +81,9 @@ def load_dir(path: Path, precision: Precision | str = "exact",
     if layers is None:
         check_loadable(stored_precision(config), prec, str(path))
     else:
-        # doctor's first layers run in the form stored whatever precision it checks (it checks the
-        # device's arithmetic, not the conversion), as they did before this loader read them
+        # doctor checks the device's arithmetic on the weights as stored: a directory converted to
+        # q4 runs its q4 weights under whatever precision doctor names (check_loadable would refuse
+        # exact, and advise a --precision that doctor does not take)
         config = truncated_config(config, layers)
     shards = model_dir_shards(path)
     try:

@@ -400,7 +400,12 @@ class Engine(Shaping):
         assert forced is not None
         tok = self.tokenizer
         opening = CanvasTemplate.from_pieces(tok, forced.opening())
-        first = (self.room_for(job, opening.end) or job.request).with_options(template=opening)
+
+        def prompt_tokens() -> int:
+            return self._prompt_tokens(job.prompt, job.enable_thinking, job.tools, job.continued)
+
+        first = (self.room_for(job.request, opening.end, job.max_tokens, prompt_tokens)
+                 or job.request).with_options(template=opening)
         # "required": the model's log-probabilities at the name's positions choose a declared name
         # if it writes none (not under mlx.launch, where each rank holds part of the vocabulary)
         if not forced.named and job.logprobs is None and self.runtime.lockstep is None:
@@ -428,7 +433,7 @@ class Engine(Shaping):
             name = toolcalls.choose_name(forced, tops, len(tok.encode(forced.opening()[0])), tok.encode)
         frame = toolcalls.Frame.of(forced.tool(name))  # type: ignore[arg-type]
         template = CanvasTemplate.from_pieces(tok, frame.pieces)
-        room = self.room_for(job, template.end)
+        room = self.room_for(job.request, template.end, job.max_tokens, prompt_tokens)
         if room is None:
             log.info("%s: tool call %s (%s); no room for a repair pass: returned as it is", job.stats.get("id"),
                      name, problem)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from mlx_dgemma.chat_template import RENDER_CHARS, THOUGHT_OPEN, parse_answer, render_chat, template_for_tools
 from mlx_dgemma.errors import ParameterError
@@ -21,9 +22,6 @@ from mlx_dgemma.request import GenerationRequest
 
 from .errors import APIError, ContextLengthError
 from .schemas import MAX_JSON_DEPTH, NOT_FINITE, SAMPLER_FIELDS, Message, Sampling, finite_json, json_depth
-
-if TYPE_CHECKING:
-    from .engine import Job
 
 MIN_TEMPERATURE_FACTOR = 0.01  # temperature 0 -> the schedule scaled by this (near-greedy)
 GREEDY_SEED = 0  # temperature 0 without a seed: a fixed seed, so that the answer is reproducible
@@ -285,18 +283,18 @@ class Shaping:
             raise APIError(400, f"messages: the chat template cannot render them ({e})", param="messages") from None
         return len(self.tokenizer.encode(text))
 
-    def room_for(self, job: Job, positions: int) -> GenerationRequest | None:
-        """The request under which ``positions`` of a canvas template fit the answer: ``job``'s own,
-        or with more blocks where its max_new_tokens is fewer (within the context checked before:
-        the first pass; None if not)."""
-        want = self.max_new_tokens(job.request)
+    def room_for(self, request: GenerationRequest, positions: int, max_tokens: int | None,
+                 prompt_tokens: Callable[[], int]) -> GenerationRequest | None:
+        """The request under which ``positions`` of a canvas template fit the answer: ``request``
+        itself, or with more blocks where its max_new_tokens is fewer (within the context checked
+        before: the first pass; ``prompt_tokens()``, counted only then; None if not)."""
+        want = self.max_new_tokens(request)
         if self.blocks_tokens(want) >= positions:
-            return job.request
+            return request
         need = self.blocks_tokens(positions)
-        prompt = self._prompt_tokens(job.prompt, job.enable_thinking, job.tools, job.continued)
-        if prompt + need > self.context or (job.max_tokens is not None and job.max_tokens < positions):
+        if prompt_tokens() + need > self.context or (max_tokens is not None and max_tokens < positions):
             return None
-        return job.request.with_params(max_new_tokens=need)
+        return request.with_params(max_new_tokens=need)
 
     def prepare_completion(self, prompt: str | list[int],
                            request: GenerationRequest) -> tuple[list[int], GenerationRequest]:
