@@ -44,12 +44,47 @@ def _load_weights(model: nn.Module, weights: list[tuple[str, mx.array]], source:
         raise ModelFilesError(f"{source}: weights do not match config.json ({e}); convert the model again") from e
 
 
-def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[DiffusionGemma, dict]:
+def _layer_index(name: str) -> int | None:
+    """The decoder layer a weight's name belongs to (``layers.3.…``), or None (embedding, norm, head)."""
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() else None
+
+
+def truncated_config(config: dict, layers: int) -> dict:
+    """config.json for the first ``layers`` layers (at most the model's; quantization entries of
+    later layers dropped)."""
+    cfg = json.loads(json.dumps(config))
+    tc = cfg["text_config"]
+    layers = min(layers, int(tc["num_hidden_layers"]))
+    tc["num_hidden_layers"] = layers
+    tc["layer_types"] = list(tc["layer_types"])[:layers]
+    q = cfg.get("quantization", {})
+    cfg["quantization"] = {k: v for k, v in q.items()
+                           if not isinstance(v, dict) or _layer_index(k) is None or _layer_index(k) < layers}
+    return cfg
+
+
+def _first_layers(weights: list[tuple[str, mx.array]], layers: int | None) -> list[tuple[str, mx.array]]:
+    """``weights`` without those of the layers from ``layers`` on (all of them for None)."""
+    if layers is None:
+        return weights
+    return [(k, a) for k, a in weights if (i := _layer_index(k)) is None or i < layers]
+
+
+def load_dir(path: Path, precision: Precision | str = "exact",
+             layers: int | None = None) -> tuple[DiffusionGemma, dict]:
     """A converted directory, loaded as stored and then put in ``precision``'s runtime form
-    (the stored form or a less exact one)."""
+    (the stored form or a less exact one). ``layers``: only the first that many layers
+    (:func:`load_layers`; only their weights are read)."""
     config = check_model_dir(path)  # every file's keys, types, ranges and headers, before any work
     prec = resolve_precision(precision)
-    check_loadable(stored_precision(config), prec, str(path))
+    if layers is None:
+        check_loadable(stored_precision(config), prec, str(path))
+    else:
+        # doctor checks the device's arithmetic on the weights as stored: a directory converted to
+        # q4 runs its q4 weights under whatever precision doctor names (check_loadable would refuse
+        # exact, and advise a --precision that doctor does not take)
+        config = truncated_config(config, layers)
     shards = model_dir_shards(path)
     try:
         model = build_model(config)
@@ -62,8 +97,8 @@ def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[Diffusio
         weights = load_sharded_weights(model, shards, group)
     else:
         for f in shards:
-            weights.extend(mx.load(str(f)).items())
-    _load_weights(model, weights, str(path))
+            weights.extend(mx.load(str(f)).items())  # lazy: a weight left out below is never read
+    _load_weights(model, _first_layers(weights, layers), str(path))
     weights.clear()
     mx.eval(model.parameters())
     apply_precision(model, prec, config.get("quantization"))
@@ -71,9 +106,11 @@ def load_dir(path: Path, precision: Precision | str = "exact") -> tuple[Diffusio
 
 
 def load_gguf(path: Path, precision: Precision | str = "exact",
-              progress: Callable[[int, int, str], None] | None = None) -> tuple[DiffusionGemma, dict, dict]:
+              progress: Callable[[int, int, str], None] | None = None,
+              layers: int | None = None) -> tuple[DiffusionGemma, dict, dict]:
     """Convert a GGUF in memory (same repack as ``convert``); returns model, config and the side
     data (``generation_config``, ``tokenizer``, and ``chat_template`` when the GGUF has one).
+    ``layers``: only the first that many layers are kept (:func:`load_layers`; all are converted).
 
     A memory tier (q4, q3) is re-quantized tensor by tensor as it is read, so the exact form is
     never held; exact and fast are repacked exactly, then put in their runtime form.
@@ -96,8 +133,10 @@ def load_gguf(path: Path, precision: Precision | str = "exact",
             if c.spec is not None:
                 specs[c.module] = c.spec
         config = source.config(specs, form)
+        if layers is not None:
+            config = truncated_config(config, layers)
         model = build_model(config)
-        _load_weights(model, weights, str(path))
+        _load_weights(model, _first_layers(weights, layers), str(path))
         weights.clear()
         if (group := world()) is not None:  # several ranks: each converted the whole GGUF, keeps its slices
             model.shard(group)
@@ -205,18 +244,41 @@ def load(path: str | Path, precision: str | Precision = "auto", dtype: str | mx.
     if prec.repack and plan.row(prec.name).repacked is False:  # fast fits, its 8-bit repack does not
         prec = replace(prec, repack=False)
         log.warning(plan.repack_note())
+    model, tokenizer, gen = _read(p, prec, progress)
+    return Runtime(model, tokenizer, gen, prec, memory_limit=memory_limit)
+
+
+def _read(p: Path, prec: Precision, progress: Callable[[int, int, str], None] | None = None,
+          layers: int | None = None) -> tuple[DiffusionGemma, Tokenizer, dict]:
+    """(model, tokenizer, generation defaults) of a directory or a .gguf (``layers``: its first)."""
     if p.is_dir():
-        model, _ = load_dir(p, precision=prec)
+        model, _ = load_dir(p, precision=prec, layers=layers)
         tokenizer = Tokenizer.from_dir(p)
         gen_file = p / "generation_config.json"
         gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
     elif p.is_file():
-        model, _, side = load_gguf(p, precision=prec, progress=progress)
+        model, _, side = load_gguf(p, precision=prec, progress=progress, layers=layers)
         tokenizer = Tokenizer(side["tokenizer"], side.get("chat_template"))
         gen = side["generation_config"]
-    else:  # pragma: no cover - check_model_path lets only directories and regular files through
-        raise ModelFilesError(f"{p}: not a file or directory")
-    return Runtime(model, tokenizer, gen, prec, memory_limit=memory_limit)
+    else:
+        raise ModelFilesError(f"{p}: no such file or directory; give a .gguf file or a directory written by "
+                              "`mlx-dgemma convert`")
+    return model, tokenizer, gen
+
+
+def load_layers(path: str | Path, layers: int, precision: str | Precision = "exact",
+                progress: Callable[[int, int, str], None] | None = None) -> Runtime:
+    """The first ``layers`` layers of the model at ``path`` (``mlx-dgemma doctor``'s checks and
+    timings), read as :func:`load` reads the whole model: a converted directory's files (only
+    those layers' weights are read), or a .gguf converted in memory (all of it, the rest then
+    dropped); in ``precision``'s runtime form. Not planned: a few layers fit where the whole
+    model may not, and the checks are what the memory plan cannot tell."""
+    if not isinstance(layers, int) or layers < 1:
+        raise ParameterError(f"load_layers(): layers {layers!r}: must be a whole number of layers >= 1",
+                             param="layers")
+    prec = resolve_precision(precision)
+    model, tokenizer, gen = _read(user_path(path), prec, progress, layers)
+    return Runtime(model, tokenizer, gen, prec)
 
 
 def load_demo(dtype: mx.Dtype | str | None = None, kind: str = "trained", precision: str | Precision = "auto",

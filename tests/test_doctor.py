@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dgemma import doctor
+from mlx_dgemma import doctor, doctor_device  # backend_name is patched where it lives
 from mlx_dgemma.cli import build_parser, main
 
 
@@ -154,12 +154,12 @@ def test_fit_says_which_precision_fits(tiny_model_dir):
 
 def test_gpu_memory_and_the_cuda_kernel_cache(monkeypatch, tmp_path):
     """The GPU-only paths, on this CPU machine with the backend and MLX's device info faked."""
-    monkeypatch.setattr(doctor, "backend_name", lambda: "metal")
+    monkeypatch.setattr(doctor_device, "backend_name", lambda: "metal")
     monkeypatch.setattr(doctor.mx, "device_info", lambda: {"max_recommended_working_set_size": 48 << 30,
                                                            "memory_size": 64 << 30})
     assert doctor.usable_memory() == doctor.MemoryInfo("Metal recommended working set", 48 << 30)
     assert doctor.kernel_cache().applies is False  # Metal kernels are precompiled
-    monkeypatch.setattr(doctor, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(doctor_device, "backend_name", lambda: "cuda")
     monkeypatch.setattr(doctor.mx, "device_info", lambda: {"device_name": "H100", "free_memory": 70 << 30})
     assert doctor.usable_memory().bytes == 70 << 30
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
@@ -253,7 +253,7 @@ def simulated_metal(monkeypatch):
     """An M5-class Mac on macOS 26.2 as MLX would describe it; the computation stays on the CPU."""
     monkeypatch.setenv("MLX_ENABLE_TF32", "1")  # restored after the test
     monkeypatch.delenv("MLX_ENABLE_TF32")
-    monkeypatch.setattr(doctor, "backend_name", lambda: "metal")
+    monkeypatch.setattr(doctor_device, "backend_name", lambda: "metal")
     monkeypatch.setattr(doctor.mx.metal, "is_available", lambda: True)
     monkeypatch.setattr(doctor.mx, "device_info", lambda: {
         "device_name": "Apple M5", "architecture": "applegpu_g17s", "memory_size": 32 << 30,
@@ -289,3 +289,39 @@ def test_a_mac_without_nax_says_so(capsys, simulated_metal, monkeypatch):
     assert main(["doctor", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "matmul units:  no NAX (applegpu_g14g): float32 matmuls are IEEE float32" in out
+
+
+# --------------------------------------------------------------------------------------------
+# --model's first layers come from the loader (issue 34: doctor has no loader of its own)
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_the_first_layers_are_the_loaders_model_cut_short(tiny_model_dir, tiny_gguf, all_types_model_dir, precision):
+    """`loader.load_layers` (doctor's --model case and its timings) holds, for a converted directory
+    and for a .gguf alike, exactly the weights `load` gives the whole model in that precision, for
+    the first layers only; fast's repacked weights included (all_types has 5-bit legacy ones),
+    which doctor's own loader left out."""
+    from mlx.utils import tree_flatten
+
+    from mlx_dgemma.loader import load, load_layers
+
+    cases = ((tiny_model_dir, (tiny_model_dir, tiny_gguf)), (all_types_model_dir, (all_types_model_dir,)))
+    for whole_path, paths in cases:
+        whole = dict(tree_flatten(load(whole_path, precision=precision).model.parameters()))
+        for path in paths:
+            rt = load_layers(path, 1, precision)
+            assert rt.model.args.num_hidden_layers == 1 and rt.precision.name == precision
+            part = dict(tree_flatten(rt.model.parameters()))
+            assert any(k.startswith("layers.0.") for k in part)
+            assert not any(k.startswith("layers.") and not k.startswith("layers.0.") for k in part)
+            assert set(part) <= set(whole), set(part) - set(whole)
+            bad = [k for k, a in part.items() if a.dtype != whole[k].dtype or not mx.array_equal(a, whole[k]).item()]
+            assert not bad, (path, bad[:5])
+
+
+def test_load_layers_refuses_a_layer_count_below_one(tiny_model_dir):
+    from mlx_dgemma.errors import ParameterError
+    from mlx_dgemma.loader import load_layers
+
+    with pytest.raises(ParameterError, match="layers 0"):
+        load_layers(tiny_model_dir, 0)

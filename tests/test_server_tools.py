@@ -414,3 +414,25 @@ def test_a_frame_reads_each_type_from_its_hole():
             tokens += v + [0] * (p - len(v))
     # the boolean's one position holds "t": not true/false, so it stays text (and fails validation)
     assert frame.arguments(tokens, tok) == {"a": "Oslo", "b": 12, "c": "t", "d": [-1.5]}
+
+
+def test_a_forced_calls_template_gets_the_room_it_needs_or_none():
+    # Shaping.room_for (request shaping, on no model): a template's positions within the request's
+    # blocks keep the request; beyond them, more blocks where the context and max_tokens allow,
+    # the prompt counted only then; else None (the engine returns the first pass as it is)
+    from mlx_dgemma.request import GenerationRequest
+    from mlx_dgemma.server.engine import Engine
+
+    engine = Engine(demo=True)  # not started: nothing is loaded
+    engine.canvas, engine.context, engine.generation_config = 64, 1000, {"max_new_tokens": 64}
+    request = GenerationRequest.of({"max_new_tokens": 64})
+    counted: list[int] = []
+
+    def prompt_tokens() -> int:
+        counted.append(1)
+        return 100
+
+    assert engine.room_for(request, 50, None, prompt_tokens) is request and counted == []
+    assert engine.room_for(request, 100, None, prompt_tokens).get("max_new_tokens") == 128 and counted == [1]
+    assert engine.room_for(request, 100, 90, prompt_tokens) is None  # max_tokens below the template
+    assert engine.room_for(request, 960, None, prompt_tokens) is None  # 100 + 960 beyond the context

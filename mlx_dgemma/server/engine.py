@@ -2,7 +2,8 @@
 :class:`~mlx_dgemma.worker.ModelWorker` (the one thread that owns the model), taking turns at
 block boundaries, and reported to each request's event loop as they go. The checks and the
 shaping of a request before it gets here are :mod:`.shaping`'s; forced tool calls are
-:mod:`.toolcalls`'.
+:mod:`.toolcalls`'; an answer's clock and /metrics' text :mod:`.metrics`'; its logprobs entries
+and step events :mod:`.payloads`'.
 
 A chat request whose messages extend the previous conversation continues that
 :class:`~mlx_dgemma.ChatSession`, so only the new turn is prefilled.
@@ -35,7 +36,9 @@ from mlx_dgemma.worker import ModelWorker, Ticket, WorkerBusy, WorkerStopped
 
 from . import toolcalls
 from .errors import APIError
+from .metrics import Histogram, Timings, prometheus_text
 from .openai import Answer, Result, marker_ids
+from .payloads import block_payload, logprob_entry, step_payload
 from .shaping import Limits, Shaping, normalize_messages, plain_chat, tools_for  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
@@ -45,8 +48,6 @@ log = logging.getLogger("mlx_dgemma.server")
 
 DEMO_MODEL_ID = "mlx-dgemma-demo"
 WARM_UP_STEPS = 2  # the warm-up's steps: the first traces the step without self-conditioning, the second with it
-# /metrics' latency buckets (seconds), from an answer in a block to a request that waits minutes
-BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 @dataclass
@@ -110,77 +111,6 @@ def model_id_of(path: str | None) -> str:
         return "mlx-dgemma"
     p = Path(path).expanduser()
     return p.stem if p.suffix == ".gguf" else p.name
-
-
-class Histogram:
-    """A Prometheus histogram of seconds (cumulative buckets, sum, count); updated on the worker
-    thread, read by /metrics (a slightly stale read is harmless)."""
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(BUCKETS) + 1)
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        i = next((i for i, b in enumerate(BUCKETS) if seconds <= b), len(BUCKETS))
-        self.counts[i] += 1
-        self.sum += seconds
-
-    def lines(self, name: str) -> list[str]:
-        out, total = [], 0
-        for b, n in zip((*BUCKETS, math.inf), self.counts):
-            total += n
-            out.append(f'{name}_bucket{{le="{"+Inf" if b == math.inf else b}"}} {total}')
-        return out + [f"{name}_sum {round(self.sum, 6)}", f"{name}_count {total}"]
-
-
-class Timings:
-    """One answer's clock, from its events: llama.cpp's ``timings`` (prompt_n, prompt_ms,
-    predicted_n, predicted_ms and their rates) with the ``diffusion`` part its DiffusionGemma
-    server adds (blocks, steps, canvas tokens, ms per step, canvas tokens per second)."""
-
-    def __init__(self, canvas: int):
-        self.canvas = canvas
-        self.prefill_s = 0.0
-        self.t_gen: float | None = None  # when the prompt was encoded (generation starts)
-        self.steps = 0
-        self.step_seconds = 0.0
-        self.steps_per_block: list[int] = []
-
-    def prefilled(self, seconds: float) -> None:
-        self.prefill_s, self.t_gen = seconds, time.perf_counter()
-
-    def step(self, seconds: float) -> None:
-        self.steps += 1
-        self.step_seconds += seconds
-
-    def block(self, steps: int) -> None:
-        self.steps_per_block.append(steps)
-
-    def timings(self, cached: int, prompt_n: int, predicted_n: int) -> dict[str, Any]:
-        """The ``timings`` object: ``prompt_n`` tokens encoded (``cache_n`` taken from the cache),
-        ``predicted_n`` answer tokens (usage's completion_tokens) from the prompt's end to now."""
-        prompt_ms = 1000 * self.prefill_s
-        predicted_ms = 1000 * (time.perf_counter() - self.t_gen) if self.t_gen is not None else 0.0
-
-        def per_token(ms: float, n: int) -> float | None:
-            return round(ms / n, 3) if n else None
-
-        def per_second(ms: float, n: int) -> float | None:
-            return round(1000 * n / ms, 2) if ms > 0 else None
-
-        ms_step = 1000 * self.step_seconds / self.steps if self.steps else None
-        return {"cache_n": cached, "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
-                "prompt_per_token_ms": per_token(prompt_ms, prompt_n),
-                "prompt_per_second": per_second(prompt_ms, prompt_n),
-                "predicted_n": predicted_n, "predicted_ms": round(predicted_ms, 3),
-                "predicted_per_token_ms": per_token(predicted_ms, predicted_n),
-                "predicted_per_second": per_second(predicted_ms, predicted_n),
-                "diffusion": {"blocks": len(self.steps_per_block), "steps": self.steps,
-                              "steps_per_block": list(self.steps_per_block), "canvas_tokens": self.canvas,
-                              "ms_per_step": round(ms_step, 3) if ms_step is not None else None,
-                              # tokens the decoder denoised per second: a canvas per step
-                              "canvas_tokens_per_second": per_second(1000 * self.step_seconds,
-                                                                     self.canvas * self.steps)}}
 
 
 class Engine(Shaping):
@@ -356,19 +286,8 @@ class Engine(Shaping):
                 ("memory_bytes", "gauge", self.memory_bytes, "memory the process holds after the last job")]
 
     def metrics_text(self) -> str:
-        """/metrics in Prometheus' text format: :meth:`metrics`, and the latency histograms
-        (seconds from a request's arrival to its first turn, its first committed block, its answer)."""
-        lines = []
-        for name, kind, value, help_text in self.metrics():
-            lines += [f"# HELP mlx_dgemma_{name} {help_text}", f"# TYPE mlx_dgemma_{name} {kind}",
-                      f"mlx_dgemma_{name} {value}"]
-        for what, help_text in (("queue", "from arrival to the first turn on the model"),
-                                ("first_block", "from arrival to the first committed block"),
-                                ("total", "from arrival to the answer")):
-            name = f"mlx_dgemma_request_{what}_seconds"
-            lines += [f"# HELP {name} seconds {help_text}", f"# TYPE {name} histogram",
-                      *self.latency[what].lines(name)]
-        return "\n".join(lines) + "\n"
+        """/metrics in Prometheus' text format: :meth:`metrics` and the latency histograms."""
+        return prometheus_text(self.metrics(), self.latency)
 
     # generation (worker thread) ------------------------------------------
     def _skip(self, job: Job) -> None:
@@ -481,7 +400,12 @@ class Engine(Shaping):
         assert forced is not None
         tok = self.tokenizer
         opening = CanvasTemplate.from_pieces(tok, forced.opening())
-        first = (self._room_for(job, opening.end) or job.request).with_options(template=opening)
+
+        def prompt_tokens() -> int:
+            return self._prompt_tokens(job.prompt, job.enable_thinking, job.tools, job.continued)
+
+        first = (self.room_for(job.request, opening.end, job.max_tokens, prompt_tokens)
+                 or job.request).with_options(template=opening)
         # "required": the model's log-probabilities at the name's positions choose a declared name
         # if it writes none (not under mlx.launch, where each rank holds part of the vocabulary)
         if not forced.named and job.logprobs is None and self.runtime.lockstep is None:
@@ -509,7 +433,7 @@ class Engine(Shaping):
             name = toolcalls.choose_name(forced, tops, len(tok.encode(forced.opening()[0])), tok.encode)
         frame = toolcalls.Frame.of(forced.tool(name))  # type: ignore[arg-type]
         template = CanvasTemplate.from_pieces(tok, frame.pieces)
-        room = self._room_for(job, template.end)
+        room = self.room_for(job.request, template.end, job.max_tokens, prompt_tokens)
         if room is None:
             log.info("%s: tool call %s (%s); no room for a repair pass: returned as it is", job.stats.get("id"),
                      name, problem)
@@ -535,19 +459,6 @@ class Engine(Shaping):
                         name, still)
         self._deliver(job, replace(repaired, content="", reasoning="", tool_calls=(fixed,),
                                    finish_reason="tool_calls"))
-
-    def _room_for(self, job: Job, positions: int) -> GenerationRequest | None:
-        """The request under which ``positions`` of a canvas template fit the answer: ``job``'s own,
-        or with more blocks where its max_new_tokens is fewer (within the context checked before:
-        the first pass; None if not)."""
-        want = self.max_new_tokens(job.request)
-        if self.blocks_tokens(want) >= positions:
-            return job.request
-        need = self.blocks_tokens(positions)
-        prompt = self._prompt_tokens(job.prompt, job.enable_thinking, job.tools, job.continued)
-        if prompt + need > self.context or (job.max_tokens is not None and job.max_tokens < positions):
-            return None
-        return job.request.with_params(max_new_tokens=need)
 
     def _deliver(self, job: Job, r: Result) -> None:
         """``r`` is the answer: counted, logged, and sent."""
@@ -617,7 +528,8 @@ class Engine(Shaping):
             if lps is not None and lps[0] is not None:
                 lp, ids, top = (a.tolist() for a in lps)
                 if job.logprobs is not None:
-                    entries.extend(self._logprob_entry(t, v, i, tl) for t, v, i, tl in zip(tokens, lp, ids, top))
+                    entries.extend(logprob_entry(self.tokenizer, t, v, i, tl)
+                                   for t, v, i, tl in zip(tokens, lp, ids, top))
                 if tops is not None:
                     tops.extend(list(zip(i, tl)) for i, tl in zip(ids, top))
 
@@ -626,7 +538,7 @@ class Engine(Shaping):
                 clock.step(ev.seconds)
                 last_step = ev
                 if job.stream_steps and final:
-                    job.emit("step", self._step_payload(ev))
+                    job.emit("step", step_payload(self.tokenizer, ev))
             elif isinstance(ev, BlockEvent):
                 last_step = None
                 blocks += 1
@@ -636,8 +548,7 @@ class Engine(Shaping):
                     job.stats["first_block_s"] = round(time.perf_counter() - job.submitted_at, 4)
                     self.latency["first_block"].observe(time.perf_counter() - job.submitted_at)
                 if job.stream_steps and final:
-                    job.emit("step", {"type": "block", "block": ev.block, "steps": ev.steps, "finished": ev.finished,
-                                      **({"end": ev.end} if ev.end else {})})
+                    job.emit("step", block_payload(ev))
                 if final:  # a snapshot: the worker goes on mutating answer
                     job.emit("text", (*answer.streamable(), tuple(answer.tool_calls), logprobs()))
                 last = ev.finished or ev.block >= n_blocks()  # blocks count from 1
@@ -684,25 +595,3 @@ class Engine(Shaping):
             job.emit(*(("error", self._shutdown_error()) if self.stopping else ("done", None)))
             return None, False, answer
         return result, clean, answer
-
-    def _token_text(self, token_id: int) -> tuple[str, list[int]]:
-        """A token as OpenAI's logprobs show it: its text and its UTF-8 bytes (a byte that is not
-        a whole character on its own is written ``\\xNN`` in the text; the bytes are exact)."""
-        b = self.tokenizer.token_bytes(token_id)
-        return b.decode("utf-8", "backslashreplace"), list(b)
-
-    def _logprob_entry(self, token_id: int, logprob: float, top_ids: list[int], top_lps: list[float]) -> dict[str, Any]:
-        text, raw = self._token_text(token_id)
-        top = []
-        for t, lp in zip(top_ids, top_lps):
-            tt, tb = self._token_text(t)
-            top.append({"token": tt, "logprob": lp, "bytes": tb})
-        return {"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": top}
-
-    def _step_payload(self, ev: Any) -> dict[str, Any]:
-        tok = self.tokenizer
-        draft = ev.draft.tolist()
-        return {"type": "step", "block": ev.block, "step": ev.step, "max_steps": ev.max_steps,
-                "draft": tok.decode(draft), "tokens": [tok.piece(t) for t in draft],
-                "accepted": ev.accepted.astype(int).tolist(), "mean_entropy": round(float(ev.mean_entropy), 6),
-                "temperature": round(float(ev.temperature), 6)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from mlx_dgemma.chat_template import RENDER_CHARS, THOUGHT_OPEN, parse_answer, render_chat, template_for_tools
@@ -281,6 +282,19 @@ class Shaping:
         except Exception as e:  # noqa: BLE001 - a template's own error on odd input
             raise APIError(400, f"messages: the chat template cannot render them ({e})", param="messages") from None
         return len(self.tokenizer.encode(text))
+
+    def room_for(self, request: GenerationRequest, positions: int, max_tokens: int | None,
+                 prompt_tokens: Callable[[], int]) -> GenerationRequest | None:
+        """The request under which ``positions`` of a canvas template fit the answer: ``request``
+        itself, or with more blocks where its max_new_tokens is fewer (within the context checked
+        before: the first pass; ``prompt_tokens()``, counted only then; None if not)."""
+        want = self.max_new_tokens(request)
+        if self.blocks_tokens(want) >= positions:
+            return request
+        need = self.blocks_tokens(positions)
+        if prompt_tokens() + need > self.context or (max_tokens is not None and max_tokens < positions):
+            return None
+        return request.with_params(max_new_tokens=need)
 
     def prepare_completion(self, prompt: str | list[int],
                            request: GenerationRequest) -> tuple[list[int], GenerationRequest]:

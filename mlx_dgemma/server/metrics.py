@@ -1,0 +1,103 @@
+"""What the server measures, and /metrics' text: one answer's clock (:class:`Timings`: the
+answer's llama.cpp ``timings``, read also by the request's log line and the counters), the
+latency histograms and Prometheus' text format. Standard library only; the engine updates them
+on the worker thread."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+# /metrics' latency buckets (seconds), from an answer in a block to a request that waits minutes
+BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# the latency histograms, each (key, help): seconds from a request's arrival to its first turn,
+# its first committed block, its answer
+LATENCIES = (("queue", "from arrival to the first turn on the model"),
+             ("first_block", "from arrival to the first committed block"),
+             ("total", "from arrival to the answer"))
+
+
+class Histogram:
+    """A Prometheus histogram of seconds (cumulative buckets, sum, count); updated on the worker
+    thread, read by /metrics (a slightly stale read is harmless)."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = next((i for i, b in enumerate(BUCKETS) if seconds <= b), len(BUCKETS))
+        self.counts[i] += 1
+        self.sum += seconds
+
+    def lines(self, name: str) -> list[str]:
+        out, total = [], 0
+        for b, n in zip((*BUCKETS, math.inf), self.counts):
+            total += n
+            out.append(f'{name}_bucket{{le="{"+Inf" if b == math.inf else b}"}} {total}')
+        return out + [f"{name}_sum {round(self.sum, 6)}", f"{name}_count {total}"]
+
+
+class Timings:
+    """One answer's clock, from its events: llama.cpp's ``timings`` (prompt_n, prompt_ms,
+    predicted_n, predicted_ms and their rates) with the ``diffusion`` part its DiffusionGemma
+    server adds (blocks, steps, canvas tokens, ms per step, canvas tokens per second)."""
+
+    def __init__(self, canvas: int):
+        self.canvas = canvas
+        self.prefill_s = 0.0
+        self.t_gen: float | None = None  # when the prompt was encoded (generation starts)
+        self.steps = 0
+        self.step_seconds = 0.0
+        self.steps_per_block: list[int] = []
+
+    def prefilled(self, seconds: float) -> None:
+        self.prefill_s, self.t_gen = seconds, time.perf_counter()
+
+    def step(self, seconds: float) -> None:
+        self.steps += 1
+        self.step_seconds += seconds
+
+    def block(self, steps: int) -> None:
+        self.steps_per_block.append(steps)
+
+    def timings(self, cached: int, prompt_n: int, predicted_n: int) -> dict[str, Any]:
+        """The ``timings`` object: ``prompt_n`` tokens encoded (``cache_n`` taken from the cache),
+        ``predicted_n`` answer tokens (usage's completion_tokens) from the prompt's end to now."""
+        prompt_ms = 1000 * self.prefill_s
+        predicted_ms = 1000 * (time.perf_counter() - self.t_gen) if self.t_gen is not None else 0.0
+
+        def per_token(ms: float, n: int) -> float | None:
+            return round(ms / n, 3) if n else None
+
+        def per_second(ms: float, n: int) -> float | None:
+            return round(1000 * n / ms, 2) if ms > 0 else None
+
+        ms_step = 1000 * self.step_seconds / self.steps if self.steps else None
+        return {"cache_n": cached, "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
+                "prompt_per_token_ms": per_token(prompt_ms, prompt_n),
+                "prompt_per_second": per_second(prompt_ms, prompt_n),
+                "predicted_n": predicted_n, "predicted_ms": round(predicted_ms, 3),
+                "predicted_per_token_ms": per_token(predicted_ms, predicted_n),
+                "predicted_per_second": per_second(predicted_ms, predicted_n),
+                "diffusion": {"blocks": len(self.steps_per_block), "steps": self.steps,
+                              "steps_per_block": list(self.steps_per_block), "canvas_tokens": self.canvas,
+                              "ms_per_step": round(ms_step, 3) if ms_step is not None else None,
+                              # tokens the decoder denoised per second: a canvas per step
+                              "canvas_tokens_per_second": per_second(1000 * self.step_seconds,
+                                                                     self.canvas * self.steps)}}
+
+
+def prometheus_text(metrics: list[tuple[str, str, float, str]], latency: dict[str, Histogram]) -> str:
+    """/metrics in Prometheus' text format: ``metrics`` ((name, type, value, help) of the counters
+    and gauges) and the latency histograms (:data:`LATENCIES`)."""
+    lines = []
+    for name, kind, value, help_text in metrics:
+        lines += [f"# HELP mlx_dgemma_{name} {help_text}", f"# TYPE mlx_dgemma_{name} {kind}",
+                  f"mlx_dgemma_{name} {value}"]
+    for what, help_text in LATENCIES:
+        name = f"mlx_dgemma_request_{what}_seconds"
+        lines += [f"# HELP {name} seconds {help_text}", f"# TYPE {name} histogram", *latency[what].lines(name)]
+    return "\n".join(lines) + "\n"
