@@ -493,8 +493,11 @@ def main(argv: list[str] | None = None) -> int:
 
     result = json.loads(res_file.read_text()) if res_file.is_file() else {"rows": {}, "layers": a.layers}
     if result.get("layers") != a.layers:  # a results file from before --layers: the whole model
-        p.error(f"--layers {a.layers}: {res_file} holds a run with --layers {result.get('layers')}; give this "
-                "run its own --results")
+        def run(n: int | None) -> str:
+            return "all layers" if n is None else f"--layers {n}"
+
+        p.error(f"--results: {res_file} holds a run of {run(result.get('layers'))}, this one is of {run(a.layers)}; "
+                "give this run its own --results")
     result["machine"] = {**machine(), "memory_bytes": total_bytes()}
     rows = result["rows"]
     floor = int(a.min_free_gb * GB)

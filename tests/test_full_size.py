@@ -209,3 +209,15 @@ def test_first_layers_refuses_a_count_the_header_lacks(fs, tmp_path, capsys):
         assert e.value.code == 2
         assert f"--layers {bad}: expected a number of layers in [1, 30]" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_results_file_of_another_layer_count_is_refused(fs, tmp_path, capsys):
+    """Rows measured on the whole model (a results file from before --layers has no "layers")
+    are never mixed with an N-layer run's."""
+    (tmp_path / "full_size.json").write_text(json.dumps({"rows": {"convert": {"seconds": 1.0}}}))
+    with pytest.raises(SystemExit) as e:
+        fs.main(["--workdir", str(tmp_path), "--layers", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "holds a run of all layers, this one is of --layers 2; give this run its own --results" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full_size.json"]  # nothing written
