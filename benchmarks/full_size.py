@@ -21,6 +21,12 @@ loaded from it. ``--tier-layout-only`` writes that directory with random values 
 NumPy re-quantizer's (hours at full size on a slow CPU): the tier's exact layout and size, so
 its load, memory and step are measured, its quality is not.
 
+``--layers N`` keeps the first N transformer blocks (``blk.0.`` .. ``blk.{N-1}.``) and every
+tensor outside them (embedding and head, norms, self-conditioning) at their published shapes, its
+metadata cut to N layers (:func:`first_layers`): the real shapes at a fraction of the disk, for
+fitting each phase's time as ``a + b * layers`` (the embedding's cost in ``a``). Its files are
+named for N (a workdir can hold runs of several N, each with its own ``--results``).
+
 The tokenizer is the synthetic gemma4 vocabulary at the published size (262,144 tokens; far
 fewer merges than the published 514,906) and the file carries no chat template: neither
 matters for the memory or time of the weights.
@@ -46,6 +52,7 @@ HEADER = ROOT / "tests" / "data" / "diffusiongemma-26b-a4b-it-q4_k_m.header.json
 GGUF_NAME = "diffusiongemma-26b-a4b-synthetic-q4_k_m.gguf"
 ALIGNMENT = 32  # GGUF's default; the published file's tensor data total assumes it
 GB = 1e9
+_ARCH = "diffusion-gemma"  # the metadata keys' prefix (mlx_dgemma.convert.metadata.ARCH, not imported: no MLX here)
 # Global layers rotate the first quarter of their head dim (rope_freqs: 64 of 256 entries 1.0).
 PARTIAL_ROTARY = 0.25
 
@@ -67,6 +74,30 @@ def _summarized(value: Any) -> bool:
 def vocab_size(header: dict) -> int:
     """Rows of the token embedding (its GGUF ``ne[1]``)."""
     return int(next(t["ne"][1] for t in header["tensors"] if t["name"] == "token_embd.weight"))
+
+
+def first_layers(header: dict, n: int) -> dict:
+    """``header`` cut to its first ``n`` transformer blocks: the tensors of ``blk.0.`` ..
+    ``blk.{n-1}.`` and every tensor outside the blocks, in the published order; ``block_count``
+    set to ``n`` and every per-layer metadata array (one entry per block: the sliding-window
+    pattern, the per-layer KV head counts) cut to its first ``n`` entries, so the file converts
+    and loads as an ``n``-layer model of the published shapes."""
+    key = f"{_ARCH}.block_count"
+    total = int(header["metadata"][key])
+    if not 1 <= n <= total:
+        raise ValueError(f"--layers {n}: expected a number of layers in [1, {total}] (the header has {total})")
+    md = {k: v[:n] if isinstance(v, list) and len(v) == total else v for k, v in header["metadata"].items()}
+    md[key] = n
+
+    def kept(name: str) -> bool:
+        return not name.startswith("blk.") or int(name.split(".")[1]) < n
+
+    return {**header, "metadata": md, "tensors": [t for t in header["tensors"] if kept(t["name"])]}
+
+
+def gguf_name(layers: int | None) -> str:
+    """The synthetic file's name: the published inventory's, or its first ``layers`` blocks'."""
+    return GGUF_NAME if layers is None else GGUF_NAME.replace("-synthetic-", f"-synthetic-{layers}layers-")
 
 
 def synthetic_metadata(header: dict) -> dict:
@@ -184,9 +215,11 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def measure_write(gguf: str, header: str, seed: int) -> dict:
+def measure_write(gguf: str, header: str, seed: int, layers: int | None = None) -> dict:
     t0 = time.perf_counter()
-    write_inventory_gguf(gguf, load_header(header), seed=seed, progress=_log_every("write"))
+    h = load_header(header)
+    write_inventory_gguf(gguf, h if layers is None else first_layers(h, layers), seed=seed,
+                         progress=_log_every("write"))
     return {"impl": "write synthetic GGUF", "seconds": time.perf_counter() - t0,
             "gguf_bytes": Path(gguf).stat().st_size, "peak_rss_bytes": _peak()}
 
@@ -429,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep at least this much of the machine's memory available (watchdog and gate)")
     p.add_argument("--child-timeout", type=float, default=7200.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep only the first N transformer blocks (and everything outside them, at full size): "
+                        "the real shapes in less disk (default: all of them)")
     for s in ("write", "convert", "verify", "load-dir", "load-gguf", "step"):
         p.add_argument(f"--skip-{s}", action="store_true")
     p.add_argument("--tier-layout-only", action="store_true",
@@ -439,17 +475,29 @@ def main(argv: list[str] | None = None) -> int:
                    help="results file in the workdir (two runs at once: give each its own)")
     p.add_argument("--redo", action="store_true", help="measure again what the results file already has")
     a = p.parse_args(argv)
+    if a.layers is not None:
+        try:
+            first_layers(load_header(a.header), a.layers)
+        except ValueError as e:
+            p.error(str(e))
     here = str(Path(__file__).resolve().parent)
     if here not in sys.path:  # the children import this file as `full_size` (spawn copies sys.path)
         sys.path.insert(0, here)
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    gguf, out, res_file = work / GGUF_NAME, work / "converted", work / a.results
+    sub = "" if a.layers is None else f"-{a.layers}layers"  # an N-layer run's files are its own
+    gguf, out, res_file = work / gguf_name(a.layers), work / f"converted{sub}", work / a.results
 
     def tier_dir(prec: str) -> Path:
-        return work / f"converted-{prec}"
+        return work / f"converted{sub}-{prec}"
 
-    result = json.loads(res_file.read_text()) if res_file.is_file() else {"rows": {}}
+    result = json.loads(res_file.read_text()) if res_file.is_file() else {"rows": {}, "layers": a.layers}
+    if result.get("layers") != a.layers:  # a results file from before --layers: the whole model
+        def run(n: int | None) -> str:
+            return "all layers" if n is None else f"--layers {n}"
+
+        p.error(f"--results: {res_file} holds a run of {run(result.get('layers'))}, this one is of {run(a.layers)}; "
+                "give this run its own --results")
     result["machine"] = {**machine(), "memory_bytes": total_bytes()}
     rows = result["rows"]
     floor = int(a.min_free_gb * GB)
@@ -463,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if not a.skip_write and (a.redo or not gguf.is_file()):
-            _run("measure_write", key="write", gguf=str(gguf), header=a.header, seed=a.seed, **stream)
+            _run("measure_write", key="write", gguf=str(gguf), header=a.header, seed=a.seed, layers=a.layers,
+                 **stream)
             save()
         if not a.skip_convert and (a.redo or not out.is_dir()):
             _run("measure_convert", key="convert", gguf=str(gguf), out=str(out), **stream)

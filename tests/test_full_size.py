@@ -164,3 +164,60 @@ def test_the_run_on_a_tiny_model_prints_a_table_and_json(fs, tmp_path, capsys):
     saved = json.loads((tmp_path / "full_size.json").read_text())["rows"]
     assert fs.main(argv) == 0  # nothing measured again
     assert json.loads((tmp_path / "full_size.json").read_text())["rows"] == saved
+
+
+@pytest.mark.parametrize("n", [1, 6])
+def test_first_layers_file_is_a_consistent_n_layer_model(fs, header, tmp_path, n):
+    """--layers N: the file holds blocks 0..N-1 and everything outside the blocks at the published
+    shapes, and its metadata (block count, every per-layer array) says N layers, so the
+    converter's checks and args_from_metadata take it as an N-layer model whose tensors are
+    exactly the kept ones. N = 6 takes in the first global layer (no attn_v, 2 KV heads)."""
+    from gguf import GGUFReader
+    from mlx_dgemma.convert.metadata import args_from_metadata, check_gguf_metadata, field_kinds, read_metadata
+    from mlx_dgemma.convert.names import expected_tensors
+
+    cut = fs.first_layers(header, n)
+    full_md = header["metadata"]
+    assert [t for t in header["tensors"] if t["name"] == "token_embd.weight"][0] in cut["tensors"]
+
+    def tiny(name):  # the file's header and its tiny tensors (the norms, scales, rope factors)
+        ne = next(t["ne"] for t in cut["tensors"] if t["name"] == name)
+        return int(np.prod(ne)) <= 4096
+
+    path = fs.write_inventory_gguf(tmp_path / fs.gguf_name(n), cut, select=tiny, seed=2)
+    r = GGUFReader(path)
+    md = read_metadata(r)
+    vocab = check_gguf_metadata(md, field_kinds(r), str(path))
+    args = args_from_metadata(md, vocab)
+    assert md["diffusion-gemma.block_count"] == args.num_hidden_layers == n
+    pattern = full_md["diffusion-gemma.attention.sliding_window_pattern"][:n]
+    assert md["diffusion-gemma.attention.sliding_window_pattern"] == pattern
+    assert md["diffusion-gemma.attention.head_count_kv"] == full_md["diffusion-gemma.attention.head_count_kv"][:n]
+    assert args.layer_types == ["sliding_attention" if s else "full_attention" for s in pattern]
+    assert args.num_global_key_value_heads == (2 if n > 5 else args.num_key_value_heads)
+    assert (args.vocab_size, args.hidden_size, args.num_experts) == (262144, 2816, 128)
+    # the inventory the converter requires of an N-layer model is exactly what the file keeps
+    assert {e.name: list(e.ne) for e in expected_tensors(args)} == {t["name"]: t["ne"] for t in cut["tensors"]}
+    assert {t.name for t in r.tensors} == {t["name"] for t in cut["tensors"] if tiny(t["name"])}
+    assert all(int(t["name"].split(".")[1]) < n for t in cut["tensors"] if t["name"].startswith("blk."))
+
+
+def test_first_layers_refuses_a_count_the_header_lacks(fs, tmp_path, capsys):
+    for bad in ("0", "31"):
+        with pytest.raises(SystemExit) as e:
+            fs.main(["--workdir", str(tmp_path), "--layers", bad])
+        assert e.value.code == 2
+        assert f"--layers {bad}: expected a number of layers in [1, 30]" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_results_file_of_another_layer_count_is_refused(fs, tmp_path, capsys):
+    """Rows measured on the whole model (a results file from before --layers has no "layers")
+    are never mixed with an N-layer run's."""
+    (tmp_path / "full_size.json").write_text(json.dumps({"rows": {"convert": {"seconds": 1.0}}}))
+    with pytest.raises(SystemExit) as e:
+        fs.main(["--workdir", str(tmp_path), "--layers", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "holds a run of all layers, this one is of --layers 2; give this run its own --results" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full_size.json"]  # nothing written
