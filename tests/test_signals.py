@@ -287,14 +287,14 @@ def test_an_ignored_sighup_stays_ignored():
 # generate on a terminal, interrupted while its step line shows (SIGINT sent from the second step)
 GENERATE_INTERRUPTED = textwrap.dedent("""
     import os, signal, sys, time
-    from mlx_dgemma import cli
-    real = cli.StepLine.show
+    from mlx_dgemma import cli, cli_generate
+    real = cli_generate.StepLine.show
     def show(self, ev):
         real(self, ev)
         if ev.step == 2:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.5)
-    cli.StepLine.show = show
+    cli_generate.StepLine.show = show
     sys.exit(cli.main(["generate", "--demo", "--prompt", "hi", "--seed", "0"]))
 """)
 
