@@ -206,10 +206,17 @@ def run_app(model: str | None = None, demo: bool = False, dtype: str | None = No
     finally:
         app.stop_engine()  # however the app ended (Ctrl+Q has waited already: not twice as long)
         stopped = app.join_engine(1.0 if app.stopping else QUIT_WAIT_S)
+    from mlx_dgemma.launch import launched
+
+    # MLX ran on the engine thread: even once that thread has ended, the interpreter's teardown
+    # can abort the process ("terminate called without an active exception", status -6: 1 run
+    # in 4 of `kill -TERM` to an idle app here), as it did for the server (which leaves the same
+    # way). Under mlx.launch the command line's own exit tells the other ranks: left to it.
+    leave = not launched() and bool(app.engines)
     if app.signals:
         from mlx_dgemma.errors import as_interrupt
 
-        if not stopped:  # inside one MLX call still: the interpreter's teardown would abort (see below)
+        if not stopped or leave:  # inside one MLX call still, or its teardown to skip (see below)
             print("mlx-dgemma chat: interrupted; nothing partial was kept", file=sys.stderr)
             sys.stdout.flush()
             sys.stderr.flush()
@@ -225,6 +232,10 @@ def run_app(model: str | None = None, demo: bool = False, dtype: str | None = No
         # traces are written by the UI thread, whole, before this point).
         print(f"mlx-dgemma chat: the model was still busy after {QUIT_WAIT_S:.0f} s; exiting without "
               "waiting for it", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if leave:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
