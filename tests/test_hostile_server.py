@@ -90,7 +90,7 @@ def _flags(**kw):
 
     base = dict(queue_size=1, parallel=1, max_body_mb=1.0, max_request_steps=1, max_request_seconds=None, max_connections=1,
                 header_timeout=1.0, body_timeout=1.0, api_key=None, cors=None, allowed_hosts=None,
-                host="127.0.0.1")
+                host="127.0.0.1", port=8080)
     return argparse.Namespace(**{**base, **kw})
 
 
