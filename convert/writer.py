@@ -1,4 +1,5 @@
-"""Streaming safetensors shards: bounded memory, header written last into reserved space."""
+"""Streaming safetensors shards: bounded memory, header written last into reserved space; and
+the shards read back, memory-mapped."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from mlx_dgemma.schema import SAFETENSORS_DTYPES, STORED_DTYPES
+from mlx_dgemma.validate import check_safetensors
+
+from .errors import ConvertError
 
 from .tensors import Part
 
@@ -87,3 +91,20 @@ def finalize_shard_names(out: Path, files: list[Path], weight_map: dict[str, str
         renames[f.name] = final
     for k, v in weight_map.items():
         weight_map[k] = renames[v]
+
+
+def open_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Memory-mapped arrays of one safetensors file (bfloat16 stays raw uint16)."""
+    header = check_safetensors(path)  # bounded, typed, inside the file
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    out = {}
+    for name, e in header.items():
+        if e["dtype"] not in STORED_DTYPES:
+            raise ConvertError(f"{path}: tensor {name!r} has dtype {e['dtype']}, which mlx-dgemma never "
+                               "writes; convert the model again")
+        dtype = SAFETENSORS_DTYPES[e["dtype"]]
+        a, b = e["data_offsets"]
+        count = (b - a) // dtype.itemsize
+        out[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + n + a, shape=(count,)).reshape(e["shape"])
+    return out
