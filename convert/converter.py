@@ -412,13 +412,13 @@ def _write_shards(source: GGUFSource, tmp: Path, precision: str, max_shard_bytes
 def write_fast_sidecar(model_dir: Path, config: dict) -> dict | None:
     """fast's re-quantized form of the exact directory ``model_dir``'s padded tensors, written
     beside its shards (:data:`mlx_dgemma.sidecar.SIDECAR_FILE`), from the arrays as stored, by
-    the loader's own pass (the same bytes it would compute); the shards are not touched. Each
-    weight streams out slice by slice (its scales and biases, 1/16 of it, are held), so the
-    converter's memory stays bounded. Returns config.json's record of it, or None: nothing to
+    the loader's own pass (the same bytes it would compute); the shards are not touched. The
+    exact arrays are read and each weight streams out slice by slice (its scales and biases,
+    1/16 of it, are held), so the converter's memory stays bounded. Returns config.json's record of it, or None: nothing to
     re-quantize, or a weight fast cannot hold (loading fast then says which)."""
     arrays: dict = {}
     for f in model_dir_shards(model_dir):
-        arrays.update(open_safetensors(f))
+        arrays.update(open_safetensors(f, rows=True))  # not mapped: the pages read stay out of the RSS
     todo = fast_todo(config["quantization"], config["text_config"]["num_hidden_layers"], arrays)
     if not todo:
         return None

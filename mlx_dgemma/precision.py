@@ -12,7 +12,8 @@ shared with ``convert --precision``); this module applies it to a loaded model, 
   float32 (on a GPU, ``gather_qmm`` with float32 scales runs 4-6x slower); and the tensors with
   16-element sub-blocks (Q2_K, Q3_K, Q6_K: the Q6_K embedding is the output head and the
   self-conditioning matrix) re-quantized to unpadded 8-bit groups of 32 (from the packed
-  integers, on threads: a small part of the load's time), so the head and
+  integers, on threads; from an exact directory, read instead from the sidecar its conversion
+  wrote, :mod:`mlx_dgemma.sidecar`), so the head and
   self-conditioning do their multiply-adds once instead of over a zero-padded matrix twice as
   wide; and self-conditioning from each position's ``FAST_SC_TOP_K`` most likely tokens
   instead of the whole vocabulary. Approximate; the error against exact is measured (README,
@@ -46,7 +47,7 @@ import numpy as np
 from .errors import ModelFilesError, ParameterError
 from .gpu import keep_float32_exact
 from .schema import QuantSpec
-from .sidecar import SidecarMismatch, StoredWeight, goal_for, requantize_tensors, usable_sidecar
+from .sidecar import StoredWeight, goal_for, requantize_tensors, usable_sidecar
 from .tiers import (FAST_BITS, FAST_GROUP, PRECISIONS, REPACK_BITS, TIERS, Target, check_precision_dtype, repacked,
                     stored_precision)
 
@@ -172,13 +173,12 @@ def _take_sidecar(todo: list[tuple[str, nn.Module, Target]], model_dir: Path,
     """fast's weights of ``todo`` from ``model_dir``'s sidecar (:mod:`mlx_dgemma.sidecar`) when
     it is recorded, matches and is intact; returns what is left to re-quantize (all of ``todo``
     when the file cannot be used: nothing is taken from it then)."""
-    wanted = {path: goal for path, _, goal in todo}
-    try:
-        f = usable_sidecar(model_dir, config, wanted)
-    except SidecarMismatch as e:
-        log.warning("%s", e)
+    if not todo:
         return todo
-    if f is None or not todo:
+    f, problem = usable_sidecar(model_dir, config, {path: goal for path, _, goal in todo})
+    if f is None:
+        if problem is not None:
+            log.warning("%s", problem)
         return todo
     arrays = mx.load(str(f))  # lazy: read one module's arrays at a time below
     for path, m, goal in todo:  # every shape right before any module changes
@@ -187,7 +187,8 @@ def _take_sidecar(todo: list[tuple[str, nn.Module, Target]], model_dir: Path,
         got = [tuple(arrays[f"{path}.{k}"].shape) if f"{path}.{k}" in arrays else None
                for k in ("weight", "scales", "biases")]
         if got != want:
-            log.warning("%s: %s does not fit this model (%s); re-quantizing instead", f, path, got)
+            log.warning("%s: %s is stored with shapes %s, this model's need %s, so the file is not used: "
+                        "re-quantizing instead; deleting it or converting the model again ends this", f, path, got, want)
             return todo
     for path, m, goal in todo:
         _install(m, goal, [arrays.pop(f"{path}.{k}") for k in ("weight", "scales", "biases")])

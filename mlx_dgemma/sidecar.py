@@ -64,7 +64,9 @@ def goal_for(precision: str, path: str, spec: QuantSpec | None, bits: int, group
 
 @dataclass
 class StoredWeight:
-    """One quantized weight as stored (NumPy views; bfloat16 scales given as float32) and its goal."""
+    """One quantized weight as stored and its goal: arrays that give NumPy arrays when sliced
+    along their leading axis (views of the loader's arrays, or a converted file's rows read
+    on demand); bfloat16 scales as float32 or as raw uint16 (cast slice by slice)."""
 
     path: str
     weight: np.ndarray
@@ -92,8 +94,8 @@ def requantize_slices(todo: list[StoredWeight]) -> Iterator[tuple[int, int, Requ
         k, i, n = job
         t = todo[k]
         try:
-            return requantize_stored(t.weight[i:i + n], t.scales[i:i + n], t.biases[i:i + n], t.bits, t.group_size,
-                                     t.subblock, t.goal)
+            return requantize_stored(t.weight[i:i + n], _float(t.scales[i:i + n]), _float(t.biases[i:i + n]), t.bits,
+                                     t.group_size, t.subblock, t.goal)
         except OverflowError as e:
             raise OverflowError(f"{t.path}.weight: {e}") from None
 
@@ -123,12 +125,12 @@ def requantize_tensors(todo: list[StoredWeight | None]) -> Iterator[tuple[int, t
 
 def _step(t: StoredWeight) -> int:
     """Rows of ``t`` a slice holds: ~1 M weights."""
-    return max(1, (1 << 20) // max(1, t.weight[0].size * 32 // t.bits))
+    return max(1, (1 << 20) // max(1, int(np.prod(t.weight.shape[1:])) * 32 // t.bits))
 
 
 def fast_todo(quantization: dict, num_layers: int, arrays: dict[str, np.ndarray]) -> list[StoredWeight]:
     """The weights fast re-quantizes in an exact directory (config.json's ``quantization``,
-    ``arrays``: its stored arrays by name, bfloat16 as raw uint16), in name order."""
+    ``arrays``: its stored arrays by name, sliceable as :class:`StoredWeight` says), in name order."""
     todo = []
     for path, v in sorted(quantization.items()):
         if not isinstance(v, dict) or f"{path}.weight" not in arrays:
@@ -137,13 +139,13 @@ def fast_todo(quantization: dict, num_layers: int, arrays: dict[str, np.ndarray]
         w = arrays[f"{path}.weight"]
         goal = goal_for("fast", path, spec, spec.bits, spec.group_size, spec.subblock, w.shape[-1], num_layers)
         if goal is not None:
-            s, b = (_float(arrays[f"{path}.{n}"]) for n in ("scales", "biases"))
+            s, b = (arrays[f"{path}.{n}"] for n in ("scales", "biases"))
             todo.append(StoredWeight(path, w, s, b, spec.bits, spec.group_size, spec.subblock, goal))
     return todo
 
 
 def _float(a: np.ndarray) -> np.ndarray:
-    """A stored scale array as the loader hands it to NumPy: bfloat16 (raw uint16) as float32."""
+    """Stored scales as the loader hands them to NumPy: bfloat16 (raw uint16) as float32."""
     return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a
 
 
@@ -170,24 +172,22 @@ def file_digest(path: Path) -> str:
     return top.hexdigest()
 
 
-def usable_sidecar(model_dir: Path, config: dict, wanted: dict[str, Target]) -> Path | None:
-    """The sidecar file of ``model_dir`` if config.json records it for this code's rule, it
-    holds every weight of ``wanted`` (path -> goal) with that goal, and its checksum matches;
-    else None (absent, older or another rule: re-quantize). Reads the whole file (the checksum)."""
+def usable_sidecar(model_dir: Path, config: dict, wanted: dict[str, Target]) -> tuple[Path | None, str | None]:
+    """(the sidecar file of ``model_dir``, None) if config.json records it for this code's rule,
+    it holds every weight of ``wanted`` (path -> goal) with that goal, and its checksum matches
+    (the whole file is read); else (None, None) when it is absent, older or of another rule
+    (re-quantize, nothing to say), or (None, why) when it is recorded but its bytes are not the
+    recorded ones (never used: damaged or changed)."""
     record = (config.get("mlx_dgemma") or {}).get("fast_sidecar") if isinstance(config, dict) else None
     f = model_dir / SIDECAR_FILE
     if not isinstance(record, dict) or record.get("file") != SIDECAR_FILE or record.get("rule") != fast_rule() \
             or not f.is_file():
-        return None
+        return None, None
     tensors = record.get("tensors")
     if not isinstance(tensors, dict) or any(tensors.get(p) != [g.bits, g.group_size] for p, g in wanted.items()):
-        return None
+        return None, None
     if file_digest(f) != record.get("sha256"):
-        raise SidecarMismatch(f"{f}: its checksum does not match config.json's mlx_dgemma.fast_sidecar (the file "
-                              "is corrupt or was changed); re-quantizing instead. `mlx-dgemma verify` checks it; "
-                              "delete the file or convert the model again")
-    return f
-
-
-class SidecarMismatch(ValueError):
-    """The sidecar is recorded but its bytes are not the recorded ones (never used)."""
+        return None, (f"{f}: its checksum does not match config.json's mlx_dgemma.fast_sidecar (the file is "
+                      "damaged or was changed), so it is not used: re-quantizing instead; `mlx-dgemma verify` "
+                      "checks it, and deleting it or converting the model again ends this")
+    return f, None
