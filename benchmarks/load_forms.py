@@ -4,8 +4,9 @@
 
 Rows, interleaved rep by rep (so a load change on a shared machine hits both sides alike):
 ``convert`` exact vs ``convert --precision q4`` of the config's synthetic Q4_K_M GGUF, and
-loading the exact directory as ``exact`` vs as ``fast`` (fast made at load from it: the padded
-Q6_K/Q3_K tensors re-quantized, scales cast). The target: each lossy form within 2x its exact
+loading the exact directory as ``exact`` vs as ``fast`` (fast's padded Q6_K/Q3_K tensors read
+from the directory's sidecar, which ``convert`` writes, scales cast; before the sidecar they were
+re-quantized at every load, which ``benchmarks/fast_requantize.py`` still times alone). The target: each lossy form within 2x its exact
 counterpart. Prints a table, then JSON (medians, every rep, the machine).
 """
 

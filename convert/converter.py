@@ -15,8 +15,11 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 from mlx_dgemma.errors import terminate_as_interrupt
 from mlx_dgemma.memory import gb  # its estimates import no MLX (the converter never does)
@@ -24,14 +27,15 @@ from mlx_dgemma.paths import output_clash, user_path
 from mlx_dgemma.plan import Budget, make_plan, offline_budget
 from mlx_dgemma.rss import peak_rss_bytes
 from mlx_dgemma.schema import QuantSpec
-from mlx_dgemma.tiers import TIER_RECIPE, TIERS, TensorInfo, tensor_bytes
-from mlx_dgemma.validate import check_tokenizer_data
+from mlx_dgemma.sidecar import SIDECAR_FILE, fast_todo, file_digest, requantize_slices, sidecar_record
+from mlx_dgemma.tiers import PADDED_TYPES, TIER_RECIPE, TIERS, TensorInfo, target, tensor_bytes
+from mlx_dgemma.validate import check_tokenizer_data, model_dir_shards
 
 from .errors import ConvertError
 from .metadata import ARCH
 from .source import GGUFSource, Progress, check_input_file
-from .tensors import Converted
-from .writer import ShardWriter, finalize_shard_names, header_reserve, write_index
+from .tensors import Converted, Part
+from .writer import ShardWriter, finalize_shard_names, header_reserve, open_safetensors, write_index
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 TOKENIZER_FILE = "tokenizer_gguf.json"
@@ -120,7 +124,7 @@ def estimate_output_bytes(source: GGUFSource, precision: str, max_shard_bytes: i
     the weights as :func:`mlx_dgemma.tiers.tensor_bytes` prices them (exact for the scale dtypes
     a GGUF normally gives), each shard's reserved safetensors header, and the side files (the
     tokenizer and chat template: at most the GGUF's metadata; index, config and report: less than
-    one header), plus a 1 % margin."""
+    one header), exact's fast sidecar (:func:`fast_sidecar_bytes`), plus a 1 % margin."""
     layers = source.args.num_hidden_layers
     reserve = 8 + header_reserve(source.stored_names())
     reserve += -reserve % 8
@@ -131,7 +135,21 @@ def estimate_output_bytes(source: GGUFSource, precision: str, max_shard_bytes: i
             shards, offset = shards + 1, 0
         weights, offset = weights + n, offset + n
     total = weights + shards * reserve + int(source.reader.data_offset) + reserve + 4096
+    if precision == "exact":
+        total += fast_sidecar_bytes([TensorInfo(*i) for i in source.inventory()], layers)
     return total + total // 100
+
+
+def fast_sidecar_bytes(inventory: list[TensorInfo], num_layers: int) -> int:
+    """Bytes of the fast sidecar an exact directory of ``inventory`` holds
+    (:func:`write_fast_sidecar`; 0 when nothing is re-quantized): fast's form of the padded
+    tensors as :func:`mlx_dgemma.tiers.tensor_bytes` prices it, and the file's header."""
+    padded = [i for i in inventory if i.ggml_type in PADDED_TYPES
+              and target("fast", i.module, i.ggml_type, num_layers, i.shape[-1]) is not None]
+    if not padded:
+        return 0
+    header = 8 + header_reserve([f"{i.module}.{k}" for i in padded for k in ("weight", "scales", "biases")])
+    return sum(tensor_bytes(i, "fast", num_layers) for i in padded) + header + -header % 8
 
 
 def _write_side_files(tmp: Path, source: GGUFSource, cfg_json: dict) -> None:
@@ -191,7 +209,12 @@ def convert(gguf_path: str | Path, out_dir: str | Path, *, precision: str = "exa
                 raise ConvertError(f"{parent}: not enough disk space ({free / 1e9:.2f} GB free, the output "
                                    f"needs {need / 1e9:.2f} GB in {precision}); free some space or choose another disk")
             specs = _write_shards(source, tmp, precision, max_shard_bytes, progress, report)
-            _write_side_files(tmp, source, source.config(specs, precision))
+            cfg_json = source.config(specs, precision)
+            if precision == "exact":  # what loading it as fast would re-quantize at every start, once
+                record = write_fast_sidecar(tmp, cfg_json)
+                if record is not None:
+                    cfg_json["mlx_dgemma"]["fast_sidecar"] = record
+            _write_side_files(tmp, source, cfg_json)
             source.check_unchanged()
             report.seconds = time.perf_counter() - t0
             report.output_bytes = sum(p.stat().st_size for p in tmp.iterdir())
@@ -384,6 +407,46 @@ def _write_shards(source: GGUFSource, tmp: Path, precision: str, max_shard_bytes
     finalize_shard_names(tmp, files, weight_map)
     write_index(tmp, weight_map, sum((tmp / f).stat().st_size for f in set(weight_map.values())))
     return specs
+
+
+def write_fast_sidecar(model_dir: Path, config: dict) -> dict | None:
+    """fast's re-quantized form of the exact directory ``model_dir``'s padded tensors, written
+    beside its shards (:data:`mlx_dgemma.sidecar.SIDECAR_FILE`), from the arrays as stored, by
+    the loader's own pass (the same bytes it would compute); the shards are not touched. The
+    exact arrays are read and each weight streams out slice by slice (its scales and biases,
+    1/16 of it, are held), so the converter's memory stays bounded. Returns config.json's record of it, or None: nothing to
+    re-quantize, or a weight fast cannot hold (loading fast then says which)."""
+    arrays: dict = {}
+    for f in model_dir_shards(model_dir):
+        arrays.update(open_safetensors(f, rows=True))  # not mapped: the pages read stay out of the RSS
+    todo = fast_todo(config["quantization"], config["text_config"]["num_hidden_layers"], arrays)
+    if not todo:
+        return None
+    path = model_dir / SIDECAR_FILE
+    writer = ShardWriter(path, header_reserve([f"{t.path}.{k}" for t in todo for k in ("weight", "scales", "biases")]))
+    try:
+        for k, group in groupby(requantize_slices(todo), key=lambda e: e[0]):
+            t, halves = todo[k], ([], [])
+
+            def weight_slices(group=group, halves=halves):
+                for _, _, r in group:
+                    halves[0].append(r.scales)
+                    halves[1].append(r.biases)
+                    yield r.weight
+
+            lead, n = t.weight.shape[:-1], t.weight.shape[-1] * 32 // t.bits // (2 if t.subblock == 16 else 1)
+            writer.add(f"{t.path}.weight", Part((*lead, n * t.goal.bits // 32), (np.dtype(np.uint32),), weight_slices))
+            writer.add(f"{t.path}.scales", np.concatenate(halves[0]))
+            writer.add(f"{t.path}.biases", np.concatenate(halves[1]))
+        writer.close()
+    except OverflowError:
+        writer.abort()
+        path.unlink()
+        return None
+    except BaseException:
+        writer.abort()
+        raise
+    return sidecar_record(todo, file_digest(path))
 
 
 def _account(report: ConvertReport, c: Converted) -> None:

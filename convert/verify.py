@@ -7,7 +7,6 @@ dropped). Values are compared as float32, row chunk by row chunk, so memory stay
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -16,34 +15,20 @@ import mlx.core as mx
 import numpy as np
 from gguf.quants import dequantize as gguf_dequantize
 
+from mlx_dgemma.errors import ModelFilesError
 from mlx_dgemma.paths import EMPTY, empty_path, input_problem, user_path
+from mlx_dgemma.schema import ModelArgs, QuantSpec, unpad_subblocks
+from mlx_dgemma.sidecar import SIDECAR_FILE, fast_rule, fast_todo, file_digest, requantize_slices
 from mlx_dgemma.tiers import stored_precision
+from mlx_dgemma.validate import check_model_dir, model_dir_shards, short_repr
 
-from mlx_dgemma.schema import SAFETENSORS_DTYPES, STORED_DTYPES, ModelArgs, QuantSpec, unpad_subblocks
-from mlx_dgemma.validate import check_model_dir, check_safetensors, model_dir_shards, short_repr
 from .errors import ConvertError
 from .metadata import ARCH
 from .names import mlx_name, module_path, stored_names
 from .source import GGUFSource
+from .writer import open_safetensors
 
 _CHUNK_ELEMENTS = 1 << 22
-
-
-def open_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Memory-mapped arrays of one safetensors file (bfloat16 stays raw uint16)."""
-    header = check_safetensors(path)  # bounded, typed, inside the file
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-    out = {}
-    for name, e in header.items():
-        if e["dtype"] not in STORED_DTYPES:
-            raise ConvertError(f"{path}: tensor {name!r} has dtype {e['dtype']}, which mlx-dgemma never "
-                               "writes; convert the model again")
-        dtype = SAFETENSORS_DTYPES[e["dtype"]]
-        a, b = e["data_offsets"]
-        count = (b - a) // dtype.itemsize
-        out[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + n + a, shape=(count,)).reshape(e["shape"])
-    return out
 
 
 def open_model_dir(model_dir: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -146,7 +131,56 @@ def verify(model_dir: str | Path, gguf_path: str | Path,
         stored = stored_precision(config)
         if stored != "exact":
             return _compare_lossy(stored, weights, source, model_dir, progress)
-        return _compare(config, weights, source, model_dir, progress)
+        report = _compare(config, weights, source, model_dir, progress)
+    report.mismatches += compare_fast_sidecar(config, weights, user_path(model_dir))
+    return report
+
+
+def compare_fast_sidecar(config: dict, weights: dict[str, np.ndarray], model_dir: Path) -> list[str]:
+    """An exact directory's fast sidecar (:mod:`mlx_dgemma.sidecar`) against what the loader
+    would compute from the directory's exact arrays (checked against the GGUF by :func:`verify`):
+    recomputed by the same pass, compared bit for bit, slice by slice (memory stays bounded),
+    with the checksum and record that the loader trusts. The problems found, one line each,
+    naming the file; none when the directory has no sidecar (never written, or deleted to save
+    disk: the loader then re-quantizes, as it did before sidecars)."""
+    f = model_dir / SIDECAR_FILE
+    record = (config.get("mlx_dgemma") or {}).get("fast_sidecar")
+    if not f.exists() and not f.is_symlink():  # deleted to save disk: loading fast re-quantizes, as before
+        return []
+    again = "delete it (loading fast then re-quantizes) or convert the model again"
+    if not f.is_file():
+        return [f"{f}: not a file; {again}"]
+    if not isinstance(record, dict):
+        return [f"{f}: config.json's mlx_dgemma.fast_sidecar does not describe it (the loader ignores the file); "
+                f"{again}"]
+    if record.get("rule") != fast_rule():
+        return [f"{f}: made by another version of fast's re-quantizer ({short_repr(record.get('rule'), 80)}, this "
+                f"one is {short_repr(fast_rule(), 80)}), so the loader re-quantizes instead; convert the model again"]
+    try:
+        stored = open_safetensors(f)
+    except (ModelFilesError, ConvertError) as e:
+        return [f"{e}"]
+    todo = fast_todo(config["quantization"], config["text_config"]["num_hidden_layers"], weights)
+    bad = []
+    names = {f"{t.path}.{k}" for t in todo for k in ("weight", "scales", "biases")}
+    if set(stored) != names or set(record.get("tensors") or {}) != {t.path for t in todo}:
+        return [f"{f}: holds {sorted(stored)[:6]}, fast re-quantizes {sorted(names)[:6]} here; {again}"]
+    differ: dict[str, int] = {}
+    for k, i, r in requantize_slices(todo):
+        path = todo[k].path
+        for key, want in zip(("weight", "scales", "biases"), (r.weight, r.scales, r.biases)):
+            got = stored[f"{path}.{key}"]
+            part = got[i:i + len(want)]
+            if part.shape != want.shape or part.dtype != want.dtype:
+                differ[f"{path}.{key}"] = differ.get(f"{path}.{key}", 0) + want.size
+            else:
+                differ[f"{path}.{key}"] = differ.get(f"{path}.{key}", 0) + int(np.count_nonzero(part != want))
+    bad += [f"{f}: {name}: {n} values differ from fast's re-quantization of the exact weights; {again}"
+            for name, n in differ.items() if n]
+    if file_digest(f) != record.get("sha256"):
+        bad.append(f"{f}: its checksum does not match config.json's mlx_dgemma.fast_sidecar.sha256 (the loader "
+                   f"will not use it); {again}")
+    return bad
 
 
 def _compare_lossy(precision: str, weights: dict[str, np.ndarray], source: GGUFSource, model_dir: str | Path,

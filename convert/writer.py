@@ -1,4 +1,5 @@
-"""Streaming safetensors shards: bounded memory, header written last into reserved space."""
+"""Streaming safetensors shards: bounded memory, header written last into reserved space; and
+the shards read back, memory-mapped."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from mlx_dgemma.schema import SAFETENSORS_DTYPES, STORED_DTYPES
+from mlx_dgemma.validate import check_safetensors
+
+from .errors import ConvertError
 
 from .tensors import Part
 
@@ -87,3 +91,46 @@ def finalize_shard_names(out: Path, files: list[Path], weight_map: dict[str, str
         renames[f.name] = final
     for k, v in weight_map.items():
         weight_map[k] = renames[v]
+
+
+class StoredRows:
+    """One stored array, read a slice of its leading axis at a time (``rows[i:j]``, a new
+    array). Unlike a memory map's, the pages read do not stay in the process's resident memory:
+    the converter reads its own output back (fast's sidecar) within its memory bound."""
+
+    def __init__(self, path: Path, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
+        self.path, self.offset, self.dtype, self.shape = path, offset, dtype, tuple(shape)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("StoredRows reads contiguous rows only")
+        per = int(np.prod(self.shape[1:], dtype=np.int64))
+        count = max(0, stop - start) * per
+        with open(self.path, "rb") as f:
+            f.seek(self.offset + start * per * self.dtype.itemsize)
+            a = np.fromfile(f, dtype=self.dtype, count=count)
+        if a.size != count:
+            raise ConvertError(f"{self.path}: shorter than its header says; convert the model again")
+        return a.reshape(-1, *self.shape[1:])
+
+
+def open_safetensors(path: Path, rows: bool = False) -> dict[str, np.ndarray]:
+    """Memory-mapped arrays of one safetensors file (bfloat16 stays raw uint16); with ``rows``,
+    :class:`StoredRows` instead (read on demand, not mapped)."""
+    header = check_safetensors(path)  # bounded, typed, inside the file
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    out = {}
+    for name, e in header.items():
+        if e["dtype"] not in STORED_DTYPES:
+            raise ConvertError(f"{path}: tensor {name!r} has dtype {e['dtype']}, which mlx-dgemma never "
+                               "writes; convert the model again")
+        dtype = SAFETENSORS_DTYPES[e["dtype"]]
+        a, b = e["data_offsets"]
+        count = (b - a) // dtype.itemsize
+        if rows and e["shape"]:
+            out[name] = StoredRows(path, 8 + n + a, dtype, e["shape"])
+        else:
+            out[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + n + a, shape=(count,)).reshape(e["shape"])
+    return out

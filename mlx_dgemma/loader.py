@@ -101,7 +101,9 @@ def load_dir(path: Path, precision: Precision | str = "exact",
     _load_weights(model, _first_layers(weights, layers), str(path))
     weights.clear()
     mx.eval(model.parameters())
-    apply_precision(model, prec, config.get("quantization"))
+    # fast's sidecar holds whole tensors: a rank's slices re-quantize as before
+    apply_precision(model, prec, config.get("quantization"), model_dir=path if group is None else None,
+                    config=config)
     return model, config
 
 

@@ -12,7 +12,8 @@ shared with ``convert --precision``); this module applies it to a loaded model, 
   float32 (on a GPU, ``gather_qmm`` with float32 scales runs 4-6x slower); and the tensors with
   16-element sub-blocks (Q2_K, Q3_K, Q6_K: the Q6_K embedding is the output head and the
   self-conditioning matrix) re-quantized to unpadded 8-bit groups of 32 (from the packed
-  integers, on threads: a small part of the load's time), so the head and
+  integers, on threads; from an exact directory, read instead from the sidecar its conversion
+  wrote, :mod:`mlx_dgemma.sidecar`), so the head and
   self-conditioning do their multiply-adds once instead of over a zero-padded matrix twice as
   wide; and self-conditioning from each position's ``FAST_SC_TOP_K`` most likely tokens
   instead of the whole vocabulary. Approximate; the error against exact is measured (README,
@@ -33,7 +34,9 @@ be loaded in that precision or a less exact one, never a more exact one.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,8 +47,11 @@ import numpy as np
 from .errors import ModelFilesError, ParameterError
 from .gpu import keep_float32_exact
 from .schema import QuantSpec
-from .tiers import (FAST_BITS, FAST_GROUP, PRECISIONS, REPACK_BITS, TIERS, Requantized, Target,
-                    check_precision_dtype, ordered_map, repacked, requantize_stored, stored_precision, target)
+from .sidecar import StoredWeight, goal_for, requantize_tensors, usable_sidecar
+from .tiers import (FAST_BITS, FAST_GROUP, PRECISIONS, REPACK_BITS, TIERS, Target, check_precision_dtype, repacked,
+                    stored_precision)
+
+log = logging.getLogger("mlx_dgemma.precision")
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 __all__ = ["DTYPES", "FAST_BITS", "FAST_GROUP", "PRECISIONS", "TIERS", "Precision", "apply_precision",
@@ -138,50 +144,55 @@ def _is_quantized(m: nn.Module) -> bool:
 
 def _requantize_modules(todo: list[tuple[str, nn.Module, Target]]) -> None:
     """Each (path, quantized module, goal) of ``todo``: the module's weight -> ``goal``'s form,
-    in place, through the one re-quantizer (:func:`mlx_dgemma.tiers.requantize_stored`, NumPy:
-    the same numbers ``convert --precision`` writes), reading the loaded arrays where they are
-    (no copy; fast's pairs make no float copy of the weight either).
-
-    The weights are cut in slices along their leading axis (experts or rows), all of them shared
-    by one pool of threads (small tensors are done beside large ones); the float temporaries
-    alive at once are a few slices', not a tensor's (the real embedding is 3 GB in float32), and
-    each module takes its new arrays, freeing its old ones, as soon as its last slice is done."""
-    views: list[tuple[np.ndarray, ...] | None] = []
-    jobs: list[tuple[int, int, int]] = []  # (module, first row, rows)
-    for k, (_, m, _) in enumerate(todo):
+    in place, through the one pass over stored weights (:func:`mlx_dgemma.sidecar.requantize_tensors`,
+    NumPy: the same numbers ``convert --precision`` and fast's sidecar hold), reading the loaded
+    arrays where they are (no copy; fast's pairs make no float copy of the weight either). Each
+    module takes its new arrays, freeing its old ones, as soon as its last slice is done."""
+    stored: list[StoredWeight | None] = []
+    for path, m, goal in todo:
         arrays = [m[n] if m[n].dtype != mx.bfloat16 else m[n].astype(mx.float32) for n in ("weight", "scales", "biases")]
         mx.eval(*arrays)
-        w = np.asarray(arrays[0])  # views of MLX's buffers
-        views.append((w, np.asarray(arrays[1]), np.asarray(arrays[2])))
-        step = max(1, (1 << 20) // max(1, w[0].size * 32 // m.bits))  # ~1 M weights a slice
-        jobs += [(k, i, step) for i in range(0, w.shape[0], step)]
-
-    def run(job: tuple[int, int, int]) -> Requantized:
-        k, i, n = job
-        path, m, goal = todo[k]
-        w, s, b = views[k]
-        try:
-            return requantize_stored(w[i:i + n], s[i:i + n], b[i:i + n], m.bits, m.group_size, m.subblock, goal)
-        except OverflowError as e:  # as convert --precision refuses it: one line naming the weight
-            raise ModelFilesError(f"{path}.weight: {e}; load it with --precision exact") from None
-
-    left = [sum(1 for j in jobs if j[0] == k) for k in range(len(todo))]
-    out: list[list[np.ndarray]] = [[] for _ in todo]
-    for (k, i, n), r in zip(jobs, ordered_map(run, jobs)):
-        arrays = (r.weight, r.scales, r.biases)
-        if not out[k]:
-            lead = views[k][0].shape[0]
-            out[k] = [np.empty((lead, *a.shape[1:]), dtype=a.dtype) for a in arrays]
-        for o, a in zip(out[k], arrays):
-            o[i:i + n] = a
-        left[k] -= 1
-        if not left[k]:
+        w, s, b = (np.asarray(a) for a in arrays)  # views of MLX's buffers
+        stored.append(StoredWeight(path, w, s, b, m.bits, m.group_size, m.subblock, goal))
+    try:
+        for k, arrays in requantize_tensors(stored):
             _, m, goal = todo[k]
-            views[k] = None
-            m.weight, m.scales, m.biases = (mx.array(a) for a in out[k])
-            m.bits, m.group_size, m.subblock = goal.bits, goal.group_size, 32
-            mx.eval(m.weight, m.scales, m.biases)
-            out[k] = []
+            _install(m, goal, [mx.array(a) for a in arrays])
+    except OverflowError as e:  # as convert --precision refuses it: one line naming the weight
+        raise ModelFilesError(f"{e}; load it with --precision exact") from None
+
+
+def _install(m: nn.Module, goal: Target, arrays: list[mx.array]) -> None:
+    m.weight, m.scales, m.biases = arrays
+    m.bits, m.group_size, m.subblock = goal.bits, goal.group_size, 32
+    mx.eval(m.weight, m.scales, m.biases)
+
+
+def _take_sidecar(todo: list[tuple[str, nn.Module, Target]], model_dir: Path,
+                  config: dict) -> list[tuple[str, nn.Module, Target]]:
+    """fast's weights of ``todo`` from ``model_dir``'s sidecar (:mod:`mlx_dgemma.sidecar`) when
+    it is recorded, matches and is intact; returns what is left to re-quantize (all of ``todo``
+    when the file cannot be used: nothing is taken from it then)."""
+    if not todo:
+        return todo
+    f, problem = usable_sidecar(model_dir, config, {path: goal for path, _, goal in todo})
+    if f is None:
+        if problem is not None:
+            log.warning("%s", problem)
+        return todo
+    arrays = mx.load(str(f))  # lazy: read one module's arrays at a time below
+    for path, m, goal in todo:  # every shape right before any module changes
+        lead, n = m["weight"].shape[:-1], m["weight"].shape[-1] * 32 // m.bits // (2 if m.subblock == 16 else 1)
+        want = [(*lead, n * goal.bits // 32), (*lead, n // goal.group_size), (*lead, n // goal.group_size)]
+        got = [tuple(arrays[f"{path}.{k}"].shape) if f"{path}.{k}" in arrays else None
+               for k in ("weight", "scales", "biases")]
+        if got != want:
+            log.warning("%s: %s is stored with shapes %s, this model's need %s, so the file is not used: "
+                        "re-quantizing instead; deleting it or converting the model again ends this", f, path, got, want)
+            return todo
+    for path, m, goal in todo:
+        _install(m, goal, [arrays.pop(f"{path}.{k}") for k in ("weight", "scales", "biases")])
+    return []
 
 
 def _repack_modules(modules: list[nn.Module]) -> None:
@@ -208,16 +219,8 @@ def _repack_modules(modules: list[nn.Module]) -> None:
         mx.eval(m.weight)
 
 
-def _goal(precision: str, path: str, m: nn.Module, specs: dict[str, QuantSpec], num_layers: int) -> Target | None:
-    spec = specs.get(path)
-    if spec is not None and spec.ggml_type:
-        width = m["weight"].shape[-1] * 32 // m.bits // (2 if m.subblock == 16 else 1)
-        return target(precision, path, spec.ggml_type, num_layers, width)
-    # no ggml type recorded: only fast's rule can be applied (padded sub-blocks are its trigger)
-    return Target(FAST_BITS, FAST_GROUP) if precision == "fast" and m.subblock == 16 else None
-
-
-def apply_precision(model: nn.Module, precision: Precision, quantization: dict | None = None) -> None:
+def apply_precision(model: nn.Module, precision: Precision, quantization: dict | None = None,
+                    model_dir: Path | None = None, config: dict | None = None) -> None:
     """Turn a loaded model into ``precision``'s runtime form, in memory.
 
     ``exact`` changes nothing in the model (on a Mac's GPU it keeps float32 matmuls IEEE float32:
@@ -227,7 +230,8 @@ def apply_precision(model: nn.Module, precision: Precision, quantization: dict |
     biases (the tiers' float16 ones only to a half-precision activation dtype) and every float
     parameter to ``precision.dtype`` (quantized weights' packed integers are untouched), and
     the model's own ``activation_dtype``; with ``precision.repack``, repacks fast's 5-bit
-    legacy weights to 8 bits (lossless). The precision itself is the caller's to keep with the
+    legacy weights to 8 bits (lossless). ``fast`` takes its re-quantized weights from an exact
+    directory's sidecar (``model_dir``, its ``config``) when that file matches. The precision itself is the caller's to keep with the
     model (the loader's :class:`mlx_dgemma.runtime.Runtime`), as are steps traced before.
     """
     if precision.name == "exact":
@@ -240,9 +244,13 @@ def apply_precision(model: nn.Module, precision: Precision, quantization: dict |
     quantized = [(path, m) for path, m in model.named_modules() if _is_quantized(m)]
     todo = []
     for path, m in quantized:
-        goal = _goal(precision.name, path, m, specs, layers)
-        if goal is not None and (m.bits, m.group_size, m.subblock) != (goal.bits, goal.group_size, 32):
+        goal = goal_for(precision.name, path, specs.get(path), m.bits, m.group_size, m.subblock,
+                        m["weight"].shape[-1], layers)
+        if goal is not None:
             todo.append((path, m, goal))
+    if precision.name == "fast" and model_dir is not None and config is not None \
+            and stored_precision(config) == "exact":
+        todo = _take_sidecar(todo, model_dir, config)
     _requantize_modules(todo)
     if precision.repack:
         _repack_modules([m for path, m in quantized if (m.bits, m.group_size, m.subblock) == (5, 32, 32)

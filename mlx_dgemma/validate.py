@@ -24,6 +24,7 @@ from .errors import ModelFilesError, ParameterError
 from .params import check_generation_field, is_int, is_number
 from .paths import input_problem
 from .schema import SAFETENSORS_DTYPES, ModelArgs, SamplerDefaults
+from .sidecar import SIDECAR_FILE
 from .tiers import STORED_FORMS, TIERS
 
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +293,8 @@ def check_safetensors(path: Path) -> dict[str, dict]:
 def model_dir_shards(path: Path) -> list[Path]:
     """The shard files of a converted directory (the index's, which must match the directory)."""
     index = path / "model.safetensors.index.json"
-    present = sorted(p.name for p in path.glob("*.safetensors"))
+    # fast's sidecar (mlx_dgemma.sidecar) is derived from the shards, not one of them
+    present = sorted(p.name for p in path.glob("*.safetensors") if p.name != SIDECAR_FILE)
     if index.is_file():
         idx = read_json(index)
         wm = idx.get("weight_map") if isinstance(idx, dict) else None

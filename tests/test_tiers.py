@@ -211,20 +211,23 @@ def test_tier_is_the_same_from_gguf_directory_and_conversion(tmp_path, tiny_gguf
 def test_no_start_requantizes_the_form_its_directory_holds(tmp_path, tiny_gguf, tiny_model_dir, monkeypatch):
     """A directory written by ``convert --precision P`` loads P as stored (its start re-quantizes
     nothing), and so does a tier loaded from the .gguf (re-quantized once, as it is read)."""
-    import mlx_dgemma.precision as precision
+    import mlx_dgemma.sidecar as sidecar
 
     def refuse(*a, **k):
         raise AssertionError("re-quantized at load")
 
     for tier in ("fast", "q4", "q3"):
         convert(tiny_gguf, tmp_path / tier, precision=tier)
-    monkeypatch.setattr(precision, "requantize_stored", refuse)
+    shutil.copytree(tiny_model_dir, tmp_path / "exact")
+    (tmp_path / "exact" / "fast-requantized.safetensors").unlink()  # fast from exact without its sidecar
+    monkeypatch.setattr(sidecar, "requantize_stored", refuse)
     for tier in ("fast", "q4", "q3"):
         assert load(tmp_path / tier, precision=tier).precision.name == tier
         assert load(tmp_path / tier).precision.name == tier  # auto: the stored form
     assert load(tiny_gguf, precision="q4").precision.name == "q4"
+    assert load(tiny_model_dir, precision="fast").precision.name == "fast"  # its sidecar (tests/test_fast_sidecar.py)
     with pytest.raises(AssertionError, match="re-quantized at load"):  # the check above can fail
-        load(tiny_model_dir, precision="fast")
+        load(tmp_path / "exact", precision="fast")
 
 
 @pytest.mark.parametrize("tier", ["fast", "q4"])
