@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
 
 from mlx_dgemma.errors import ModelFilesError, NonFiniteError, ParameterError
 from mlx_dgemma.params import check_generation_field, gguf_keys
@@ -15,7 +14,7 @@ from mlx_dgemma.validate import (KIND_TEXT, TOKEN_ID_KEYS, TOKENIZER_MODELS, che
                                  short_repr)
 
 from .errors import ConvertError
-from .scan import value_type_name
+from .header import GGUFHeader
 
 ARCH = "diffusion-gemma"
 
@@ -23,35 +22,23 @@ ARCH = "diffusion-gemma"
 _SMALL_ARRAY = 4096
 
 
-def field_value(reader: GGUFReader, key: str, full: bool = False) -> Any:
-    """A metadata value as plain Python (str, int, float, bool or list)."""
-    f = reader.fields[key]
-    if f.types[0] == GGUFValueType.ARRAY:
-        if not full and len(f.data) > _SMALL_ARRAY:
-            return f"<array of {len(f.data)}>"
-        if f.types[-1] == GGUFValueType.STRING:
-            return [bytes(f.parts[i]).decode("utf-8", errors="surrogateescape") for i in f.data]
-        if not f.data:
-            return []
-        return np.concatenate([f.parts[i] for i in f.data]).tolist()  # one pass, not per item
-    return f.contents()
+def field_value(header: GGUFHeader, key: str, full: bool = False) -> Any:
+    """A metadata value as plain Python (str, int, float, bool or list); an array longer than
+    the tokenizer-payload bound is summarized unless ``full``."""
+    kind, _, count = header.kinds[key]
+    if kind == "array" and not full and count > _SMALL_ARRAY:
+        return f"<array of {count}>"
+    return header.value(key)
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+def read_metadata(header: GGUFHeader) -> dict[str, Any]:
     """All metadata keys except GGUF bookkeeping; long arrays are summarized."""
-    return {k: field_value(reader, k) for k in reader.fields if not k.startswith("GGUF.")}
+    return {k: field_value(header, k) for k in header.keys() if not k.startswith("GGUF.")}
 
 
-def field_kinds(reader: GGUFReader) -> dict[str, tuple[str, str | None, int]]:
+def field_kinds(header: GGUFHeader) -> dict[str, tuple[str, str | None, int]]:
     """key -> (value type, array item type or None, item count), for validation."""
-    out = {}
-    for k, f in reader.fields.items():
-        if f.types and f.types[0] == GGUFValueType.ARRAY:
-            item = value_type_name(f.types[-1]) if len(f.types) > 1 else "uint8"
-            out[k] = ("array", item, len(f.data))
-        elif f.types:
-            out[k] = (value_type_name(f.types[0]), None, 1)
-    return out
+    return dict(header.kinds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,9 +148,10 @@ def check_gguf_metadata(md: dict[str, Any], kinds: dict[str, tuple[str, str | No
     return vocab
 
 
-def array_len(reader: GGUFReader, key: str) -> int | None:
-    f = reader.fields.get(key)
-    return None if f is None else len(f.data)
+def array_len(header: GGUFHeader, key: str) -> int | None:
+    """Items in ``key``'s value (1 for a scalar), None if the file has no such key."""
+    kind = header.kinds.get(key)
+    return None if kind is None else kind[2]
 
 
 def args_from_metadata(md: dict[str, Any], vocab_size: int, source: str = "GGUF",

@@ -1,10 +1,11 @@
-"""A GGUF's binary layout, walked before gguf-py parses anything: the bounded pre-scan.
+"""A GGUF's binary layout, walked before anything is read from it: the bounded pre-scan.
 
 Every count found in the file (metadata entries, array lengths, string lengths, tensors,
 dimensions) is checked against the bytes left before anything is allocated or looped on from
 it, so a hostile or truncated file fails with one line naming the file, the key or tensor and
 the byte, never with a MemoryError, a hang or a crash inside gguf-py. The value types and their
-sizes are gguf-py's own (the reader parses with the same table the scan checks against).
+sizes are gguf-py's own. The walk records where each value lies; :class:`~.header.GGUFHeader`
+decodes values from there (gguf-py's reader is not used to open a model: see :mod:`.header`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class GGUFScan:
     version: int
     size: int
     kinds: dict[str, tuple[str, str | None, int]] = field(default_factory=dict)  # key: (type, item type, count)
+    # key: (value type, item type or None, byte offset of the value: a string's length prefix, a
+    # scalar, an array's first item); what :class:`~.header.GGUFHeader` decodes values from
+    values: dict[str, tuple[int, int | None, int]] = field(default_factory=dict)
     arch: str | None = None
     alignment: int = 32
     data_start: int = 0
@@ -156,6 +160,7 @@ def _scan(c: _Cursor, size: int, expect_arch: str | None) -> GGUFScan:
         if key in scan.kinds:
             c.fail(f"metadata key {key!r} appears twice")
         vtype = c.unpack("<I", f"type of {key!r}")
+        scan.values[key] = (vtype, None, c.pos)
         if vtype == GGUFValueType.STRING:
             value = c.string(f"value of {key!r}")
             if key == "general.architecture":  # usually the first key: a wrong file is refused at once
@@ -174,6 +179,7 @@ def _scan(c: _Cursor, size: int, expect_arch: str | None) -> GGUFScan:
         elif vtype == GGUFValueType.ARRAY:
             itype = c.unpack("<I", f"item type of {key!r}")
             count = c.unpack("<Q", f"length of {key!r}")
+            scan.values[key] = (vtype, itype, c.pos)
             if itype in SCALAR_BYTES:
                 iname, n = value_type_name(itype), SCALAR_BYTES[itype]
                 if count > (size - c.pos) // n:

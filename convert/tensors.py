@@ -7,12 +7,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
 
 from mlx_dgemma.errors import NonFiniteError
 from mlx_dgemma.schema import ModelArgs, QuantSpec
 from mlx_dgemma.tiers import SCALE_DTYPE, Requantized, ordered_map, requantize_affine, target
 from .errors import ConvertError
+from .header import GGUFHeader
 from .names import expected_tensors, mlx_name, module_path, stored_names
 from .quants import (FLOAT_TYPES, FORMATS, SUPPORTED_TYPES, dequantize_affine, narrowest_exact_dtype,
                      repack_rows)
@@ -121,7 +121,7 @@ def _mlx_shape(t) -> tuple[int, ...]:
     return tuple(int(x) for x in reversed(t.shape))
 
 
-def check_inventory(reader: GGUFReader, cfg: ModelArgs, source: str) -> None:
+def check_inventory(reader: GGUFHeader, cfg: ModelArgs, source: str) -> None:
     """Every tensor known, present, with the expected shape and a supported type."""
     expected = {e.name: e for e in expected_tensors(cfg)}
     present = {t.name: t for t in reader.tensors}

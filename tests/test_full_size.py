@@ -172,8 +172,8 @@ def test_first_layers_file_is_a_consistent_n_layer_model(fs, header, tmp_path, n
     shapes, and its metadata (block count, every per-layer array) says N layers, so the
     converter's checks and args_from_metadata take it as an N-layer model whose tensors are
     exactly the kept ones. N = 6 takes in the first global layer (no attn_v, 2 KV heads)."""
-    from gguf import GGUFReader
     from mlx_dgemma.convert.metadata import args_from_metadata, check_gguf_metadata, field_kinds, read_metadata
+    from mlx_dgemma.convert.source import open_gguf
     from mlx_dgemma.convert.names import expected_tensors
 
     cut = fs.first_layers(header, n)
@@ -185,7 +185,7 @@ def test_first_layers_file_is_a_consistent_n_layer_model(fs, header, tmp_path, n
         return int(np.prod(ne)) <= 4096
 
     path = fs.write_inventory_gguf(tmp_path / fs.gguf_name(n), cut, select=tiny, seed=2)
-    r = GGUFReader(path)
+    r = open_gguf(path, architecture=None)  # the converter's own reading of the header
     md = read_metadata(r)
     vocab = check_gguf_metadata(md, field_kinds(r), str(path))
     args = args_from_metadata(md, vocab)
