@@ -82,7 +82,7 @@ class LiveServer:
 
     def raw(self, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None,
             chunked: bool = False) -> tuple[int, dict, Any]:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=300)  # a long prompt on a loaded 2-core machine: minutes
         try:
             if isinstance(body, str):
                 body = body.encode()
