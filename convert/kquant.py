@@ -19,6 +19,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from .metadata import ARCH
 from .names import expected_tensors, q4_k_m_types
+from .quants import FLOAT_TYPES
 from .source import GGUFSource
 
 QK_K = 256
@@ -95,7 +96,7 @@ def write_kquant_copy(src: str | Path, dst: str | Path) -> Path:
         w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1] if vt == GGUFValueType.ARRAY else None)
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape))
-        if t.tensor_type in (T.F32, T.F16, T.BF16):
+        if t.tensor_type in FLOAT_TYPES:
             w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
             continue
         rows = int(np.prod(shape[:-1]))

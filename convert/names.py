@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as T
 
+from mlx_dgemma.formats import TYPES
 from mlx_dgemma.schema import ModelArgs
 
 # GGUF name -> MLX parameter path (quantized tensors also get .scales/.biases next to .weight).
@@ -139,10 +140,6 @@ def expected_tensors(cfg: ModelArgs) -> list[Expected]:
     return out
 
 
-# llama.cpp's fallback when a row is not a multiple of the 256-element K-quant super-block.
-_KQUANT_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0}
-
-
 def _use_more_bits(i: int, n: int) -> bool:
     """llama.cpp ``use_more_bits``: first and last eighth, and every third layer between."""
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
@@ -180,7 +177,8 @@ def q4_k_m_types(expected: list[Expected]) -> dict[str, T]:
             t = T.Q6_K if _use_more_bits(i, n) else T.Q4_K
         else:
             t = T.Q4_K
-        if e.ne[0] % 256:
-            t = _KQUANT_FALLBACK.get(t, t)
+        fallback = TYPES[t.name].fallback  # llama.cpp's type where a row is not a multiple of 256
+        if e.ne[0] % 256 and fallback is not None:
+            t = T[fallback]
         types[e.name] = t
     return types

@@ -17,7 +17,10 @@ group whose last 16 entries are padding (q = 0) that multiplies zeros inserted i
 input (see :func:`mlx_dgemma.schema.pad_subblocks`). The padding doubles the stored row width.
 
 Each class splits a block's bytes in struct order (the field order of ggml's ``block_*``
-structs), mirroring gguf-py's dequantizers so a reader can check one against the other.
+structs), mirroring gguf-py's dequantizers so a reader can check one against the other. A class
+registers itself for its type (``qtype=``, as gguf-py's quant classes do) and reads the type's
+bits and sub-block width from its row in :data:`mlx_dgemma.formats.TYPES`: a new type is that
+row and its class here.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K as _GGUF_Q4_K
 
+from mlx_dgemma.formats import TYPES  # each type's facts, declared once for core and converter
 from mlx_dgemma.schema import pad_subblocks, unpad_subblocks  # the layout both sides share
 from mlx_dgemma.tiers import pack_bits, unpack_bits  # MLX's bit layout, shared with the re-quantizer
 
@@ -66,12 +70,34 @@ def _bits_of(mask: np.ndarray, n_blocks: int, n: int) -> np.ndarray:
     return np.unpackbits(mask, axis=-1, bitorder="little")[:, :n].reshape(n_blocks, n)
 
 
+# every block class, by its type: filled as the classes below are declared (BlockFormat)
+FORMATS: dict[T, type[BlockFormat]] = {}
+
+
 class BlockFormat:
-    """One ggml block type, split into MLX affine fields."""
+    """One ggml block type, split into MLX affine fields. A subclass names its type
+    (``class Q4_0(BlockFormat, qtype=T.Q4_0)``) and is registered in :data:`FORMATS`; its
+    ``bits`` and ``subblock`` are its row's in :data:`mlx_dgemma.formats.TYPES`."""
 
     qtype: ClassVar[T]
-    bits: ClassVar[int]
-    subblock: ClassVar[int] = 32  # elements sharing one scale/bias; 16 means padded groups
+    bits: ClassVar[int]  # of its exact MLX form
+    subblock: ClassVar[int]  # elements sharing one scale/bias; 16 means padded groups
+    # the synthetic writer's float16 fields (convert/synthetic.py): byte offsets of ``d`` and of
+    # the second field (``dmin`` or ``m``; None without one), and the multiple of ``d`` written
+    # to that second field that centres the values on zero for uniform random q and sub-scales
+    fp16_fields: ClassVar[tuple[int, int | None, float]]
+
+    def __init_subclass__(cls, qtype: T, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        row = TYPES.get(qtype.name)
+        if row is None or not row.quantized:
+            raise TypeError(f"{cls.__name__}: {qtype.name} needs its quantized row in mlx_dgemma.formats.TYPES")
+        if qtype in FORMATS:
+            raise TypeError(f"{cls.__name__}: {qtype.name} already has its class, {FORMATS[qtype].__name__}")
+        if cls.split.__func__ is BlockFormat.split.__func__ or not hasattr(cls, "fp16_fields"):
+            raise TypeError(f"{cls.__name__}: a block class defines split() and fp16_fields")
+        cls.qtype, cls.bits, cls.subblock = qtype, row.bits, row.subblock
+        FORMATS[qtype] = cls
 
     @classmethod
     def block_size(cls) -> int:
@@ -87,10 +113,10 @@ class BlockFormat:
         raise NotImplementedError
 
 
-class Q4_0(BlockFormat):
+class Q4_0(BlockFormat, qtype=T.Q4_0):
     """block_q4_0 { f16 d; u8 qs[16]; }  w = d * (q - 8)"""
 
-    qtype, bits = T.Q4_0, 4
+    fp16_fields = (0, None, 0)
 
     @classmethod
     def split(cls, blocks):
@@ -100,10 +126,10 @@ class Q4_0(BlockFormat):
         return Split(_nibbles(qs, n, 16), d, -8 * d)
 
 
-class Q4_1(BlockFormat):
+class Q4_1(BlockFormat, qtype=T.Q4_1):
     """block_q4_1 { f16 d; f16 m; u8 qs[16]; }  w = d * q + m"""
 
-    qtype, bits = T.Q4_1, 4
+    fp16_fields = (0, 2, -7.5)
 
     @classmethod
     def split(cls, blocks):
@@ -112,13 +138,13 @@ class Q4_1(BlockFormat):
         return Split(_nibbles(qs, n, 16), _f16(d), _f16(m))
 
 
-class Q5_0(BlockFormat):
+class Q5_0(BlockFormat, qtype=T.Q5_0):
     """block_q5_0 { f16 d; u8 qh[4]; u8 qs[16]; }  w = d * (q - 16)
 
     qh: bit j is bit 4 of element j; qs: low nibbles as in Q4_0.
     """
 
-    qtype, bits = T.Q5_0, 5
+    fp16_fields = (0, None, 0)
 
     @classmethod
     def split(cls, blocks):
@@ -129,10 +155,10 @@ class Q5_0(BlockFormat):
         return Split(q, d, -16 * d)
 
 
-class Q5_1(BlockFormat):
+class Q5_1(BlockFormat, qtype=T.Q5_1):
     """block_q5_1 { f16 d; f16 m; u8 qh[4]; u8 qs[16]; }  w = d * q + m"""
 
-    qtype, bits = T.Q5_1, 5
+    fp16_fields = (0, 2, -15.5)
 
     @classmethod
     def split(cls, blocks):
@@ -142,10 +168,10 @@ class Q5_1(BlockFormat):
         return Split(q, _f16(d), _f16(m))
 
 
-class Q8_0(BlockFormat):
+class Q8_0(BlockFormat, qtype=T.Q8_0):
     """block_q8_0 { f16 d; i8 qs[32]; }  w = d * qs, stored as (qs + 128) with bias -128 d"""
 
-    qtype, bits = T.Q8_0, 8
+    fp16_fields = (0, None, 0)
 
     @classmethod
     def split(cls, blocks):
@@ -155,14 +181,14 @@ class Q8_0(BlockFormat):
         return Split(q, d, -128 * d)
 
 
-class Q2_K(BlockFormat):
+class Q2_K(BlockFormat, qtype=T.Q2_K):
     """block_q2_K { u8 scales[16]; u8 qs[64]; f16 d; f16 dmin; }  w = d*sc*q - dmin*m
 
     scales[k]: low nibble sc, high nibble m of sub-block k (16 elements).
     qs: two halves of 32 bytes; bits 2i..2i+1 of byte l hold element (half*4 + i)*32 + l.
     """
 
-    qtype, bits, subblock = T.Q2_K, 2, 16
+    fp16_fields = (80, 82, 1.5)
 
     @classmethod
     def split(cls, blocks):
@@ -176,14 +202,14 @@ class Q2_K(BlockFormat):
         return Split(q, d * sc, -(dmin * m))
 
 
-class Q3_K(BlockFormat):
+class Q3_K(BlockFormat, qtype=T.Q3_K):
     """block_q3_K { u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d; }  w = d*(sc-32)*(q-4)
 
     q = low 2 bits from qs (Q2_K layout) + 4 * hmask bit; the 6-bit sc of 16 sub-blocks are
     packed as low nibbles in scales[0:8] and high 2-bit pairs in scales[8:12] (see gguf-py).
     """
 
-    qtype, bits, subblock = T.Q3_K, 3, 16
+    fp16_fields = (108, None, 0)
 
     @classmethod
     def split(cls, blocks):
@@ -202,14 +228,14 @@ class Q3_K(BlockFormat):
         return Split(q, scale, -4 * scale)
 
 
-class Q4_K(BlockFormat):
+class Q4_K(BlockFormat, qtype=T.Q4_K):
     """block_q4_K { f16 d; f16 dmin; u8 scales[12]; u8 qs[128]; }  w = d*sc*q - dmin*m
 
     scales: 8 (sc, m) pairs of 6 bits (ggml get_scale_min_k4); qs: 4 chunks of 32 bytes,
     low nibbles are sub-block 2c, high nibbles sub-block 2c + 1.
     """
 
-    qtype, bits = T.Q4_K, 4
+    fp16_fields = (0, 2, 7.5)
 
     @classmethod
     def split(cls, blocks):
@@ -220,13 +246,13 @@ class Q4_K(BlockFormat):
                      -(_f16(dmin) * m.reshape(n, 8).astype(np.float32)))
 
 
-class Q5_K(BlockFormat):
+class Q5_K(BlockFormat, qtype=T.Q5_K):
     """block_q5_K { f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]; }
 
     As Q4_K, plus bit 4 of element 32*c + l in bit c of qh[l].
     """
 
-    qtype, bits = T.Q5_K, 5
+    fp16_fields = (0, 2, 15.5)
 
     @classmethod
     def split(cls, blocks):
@@ -239,14 +265,14 @@ class Q5_K(BlockFormat):
                      -(_f16(dmin) * m.reshape(n, 8).astype(np.float32)))
 
 
-class Q6_K(BlockFormat):
+class Q6_K(BlockFormat, qtype=T.Q6_K):
     """block_q6_K { u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d; }  w = d*sc*(q - 32)
 
     ql: two halves of 64 bytes with nibbles as in Q4_K; qh: 2-bit pairs for the 4 quarters
     of each 128-element half.
     """
 
-    qtype, bits, subblock = T.Q6_K, 6, 16
+    fp16_fields = (208, None, 0)
 
     @classmethod
     def split(cls, blocks):
@@ -260,11 +286,15 @@ class Q6_K(BlockFormat):
         return Split(q, scale, -32 * scale)
 
 
-FORMATS: dict[T, type[BlockFormat]] = {
-    cls.qtype: cls for cls in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
-}
-FLOAT_TYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: None}  # BF16 kept as raw uint16
-SUPPORTED_TYPES = sorted([*FORMATS, *FLOAT_TYPES], key=lambda t: t.value)
+# the float types' NumPy types, by the bytes of their rows (BF16: None, kept as raw uint16)
+FLOAT_TYPES: dict[T, type | None] = {T[t.name]: None if t.name == "BF16" else np.dtype(f"<f{t.float_bytes}").type
+                                     for t in TYPES.values() if not t.quantized}
+
+
+def supported_types() -> list[T]:
+    """The types the converter reads: the float types and every type with a block class
+    (a quantized row without one is refused by name), in ggml's order."""
+    return sorted([*FORMATS, *FLOAT_TYPES], key=lambda t: t.value)
 
 
 def narrowest_exact_dtype(*arrays: np.ndarray, chunk: int = 1 << 20) -> type:

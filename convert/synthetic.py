@@ -18,18 +18,12 @@ from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
+from mlx_dgemma.formats import TYPES
 from mlx_dgemma.schema import ModelArgs
 
 from .metadata import ARCH, args_from_metadata
 from .names import expected_tensors, q4_k_m_types
-
-# Byte offsets of the float16 (d, dmin-or-m) fields in each block, and the multiplier of
-# the second field that centres the values on zero for uniform random q and sub-scales.
-_FP16_FIELDS: dict[T, tuple[int, int | None, float]] = {
-    T.Q4_0: (0, None, 0), T.Q4_1: (0, 2, -7.5), T.Q5_0: (0, None, 0), T.Q5_1: (0, 2, -15.5),
-    T.Q8_0: (0, None, 0), T.Q2_K: (80, 82, 1.5), T.Q3_K: (108, None, 0), T.Q4_K: (0, 2, 7.5),
-    T.Q5_K: (0, 2, 15.5), T.Q6_K: (208, None, 0),
-}
+from .quants import FLOAT_TYPES, FORMATS, supported_types
 
 
 @dataclass
@@ -94,9 +88,9 @@ def random_blocks(qtype: T, rows: int, cols: int, std: float, rng: np.random.Gen
     block, size = GGML_QUANT_SIZES[qtype]
     nb = rows * cols // block
     raw = rng.integers(0, 256, (nb, size), dtype=np.uint8)
-    if qtype not in _FP16_FIELDS:  # a type we cannot convert: only error tests write these
+    if qtype not in FORMATS:  # a type we cannot convert: only error tests write these
         return raw.reshape(rows, cols // block * size)
-    d_off, m_off, m_mult = _FP16_FIELDS[qtype]
+    d_off, m_off, m_mult = FORMATS[qtype].fp16_fields
 
     def set_fields(d: np.ndarray) -> None:
         raw[:, d_off:d_off + 2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
@@ -147,7 +141,8 @@ def _kind(name: str) -> str:
 
 def plan_types(cfg: ModelArgs, plan: str | dict[str, T]) -> dict[str, T]:
     """Per-tensor ggml types: 'q4_k_m' (llama.cpp's recipe), 'f32', 'f16', 'all' (cycle every
-    supported quantized type over the matrices) or an explicit {name: type} map."""
+    supported type but F32 over the matrices, in mlx_dgemma.formats' order) or an explicit
+    {name: type} map."""
     exp = expected_tensors(cfg)
     if isinstance(plan, dict):
         base = {e.name: T.F32 for e in exp}
@@ -159,8 +154,8 @@ def plan_types(cfg: ModelArgs, plan: str | dict[str, T]) -> dict[str, T]:
         ft = T.F32 if plan == "f32" else T.F16
         return {e.name: (ft if e.matrix else T.F32) for e in exp}
     if plan == "all":
-        cycle = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0, T.Q5_K, T.Q4_0, T.Q4_1, T.Q5_1, T.Q3_K, T.Q2_K,
-                 T.F16, T.BF16]
+        supported = supported_types()
+        cycle = [T[n] for n in TYPES if n != "F32" and T[n] in supported]
         out, k = {}, 0
         for e in exp:
             if not e.matrix:
@@ -238,7 +233,7 @@ def random_tensor(name: str, ne: tuple[int, ...] | list[int], qtype: T, matrix: 
     scalars = scalars or {"layer_output_scale": 1.25, "enc_layer_output_scale": 0.8}
     if not matrix:
         return _float_tensor(_kind(name), ne, partial_rotary, rng, scalars), None
-    if qtype in (T.F32, T.F16, T.BF16):
+    if qtype in FLOAT_TYPES:
         dense = rng.normal(0.0, weight_std, tuple(reversed(ne))).astype(np.float32)
         if qtype == T.BF16:
             bits = (dense.view(np.uint32) >> 16).astype(np.uint16)

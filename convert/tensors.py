@@ -14,8 +14,8 @@ from mlx_dgemma.tiers import SCALE_DTYPE, Requantized, ordered_map, requantize_a
 from .errors import ConvertError
 from .header import GGUFHeader
 from .names import expected_tensors, mlx_name, module_path, stored_names
-from .quants import (FLOAT_TYPES, FORMATS, SUPPORTED_TYPES, dequantize_affine, narrowest_exact_dtype,
-                     repack_rows)
+from .quants import (FLOAT_TYPES, FORMATS, dequantize_affine, narrowest_exact_dtype, repack_rows,
+                     supported_types)
 
 # Input bytes of the rows read and repacked at a time: bounds the temporary arrays (and, when
 # the parts are streamed to disk, the output held) to a few tens of MB.
@@ -125,6 +125,7 @@ def check_inventory(reader: GGUFHeader, cfg: ModelArgs, source: str) -> None:
     """Every tensor known, present, with the expected shape and a supported type."""
     expected = {e.name: e for e in expected_tensors(cfg)}
     present = {t.name: t for t in reader.tensors}
+    supported = supported_types()
     for name, t in present.items():
         if name not in expected:
             known = "; ".join(sorted({n if not n.startswith("blk.") else "blk.N." + n.split(".", 2)[2]
@@ -142,14 +143,15 @@ def check_inventory(reader: GGUFHeader, cfg: ModelArgs, source: str) -> None:
         if ne != e.ne:
             raise ConvertError(f"{source}: tensor {name!r} has shape {list(ne)}, expected "
                                f"{list(e.ne)} from the file's metadata")
-        if t.tensor_type not in SUPPORTED_TYPES:
-            names = ", ".join(x.name for x in SUPPORTED_TYPES)
+        if t.tensor_type not in supported:
+            names = ", ".join(x.name for x in supported)
             raise ConvertError(f"{source}: tensor {name!r} has ggml type {t.tensor_type.name}, which "
                                f"mlx-dgemma does not support (supported: {names}); re-quantize the "
                                "model with one of those types")
         if t.tensor_type in FORMATS and not e.matrix:
             raise ConvertError(f"{source}: tensor {name!r} is quantized ({t.tensor_type.name}) but "
-                               "must be F32/F16/BF16 (it is a norm, scale or router vector)")
+                               f"must be {'/'.join(f.name for f in FLOAT_TYPES)} (it is a norm, scale or router "
+                               "vector)")
 
 
 def _row_reader(t, rows: int) -> Callable[[int, int], np.ndarray]:

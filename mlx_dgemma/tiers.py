@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from . import formats
 from .schema import unpad_subblocks
 
 # Most exact first: ``auto`` picks the first that fits.
@@ -71,22 +72,16 @@ TIER_HELP = {k: v + FULL_SIZE_NOTE.get(k, "") for k, v in TIER_RECIPE.items()}
 # Padded sub-block types (Q2_K, Q3_K, Q6_K) in fast: 8 bits keeps their 6-bit (or fewer) values
 # to within a fraction of their own step; 32 is MLX's smallest affine group.
 FAST_BITS, FAST_GROUP = 8, 32
-PADDED_TYPES = ("Q2_K", "Q3_K", "Q6_K")
-# ... of which those whose offset is tied to the scale (w = d * sc * (q - c)): re-quantized from
-# their sub-blocks' integers (``Target.pairs``). Q2_K's independent minimums seldom let one
-# sub-block's grid cover the other: min-max with refits keeps its error lower (13 % on random blocks).
-PAIRED_TYPES = ("Q3_K", "Q6_K")
+# which ggml types those are, and of them those re-quantized from their sub-blocks' integers
+# (``Target.pairs``): facts of each type's row in mlx_dgemma.formats
+PADDED_TYPES = formats.names(lambda t: t.padded)
+PAIRED_TYPES = formats.names(lambda t: t.paired)
 SCALE_DTYPE = np.float16  # scales and biases of every re-quantized weight, on disk and in memory
 
 # fast on a GPU: the 5-bit legacy types' integers (0..31, groups of 32) repacked as 8-bit groups
 # of 32 with the same scales and biases: the same dequantized values bit for bit, for 3 more bits
-# a weight. MLX's 5-bit kernels are not its GPUs' fast path (H100, MLX 0.32.4 CUDA: gather_qmm
-# at 5 bits 1.9 TFLOP/s, at 8 bits 5.0-5.5; issue 33). llama.cpp falls back to Q5_0 (Q4_K_M)
-# and Q5_1 (Q5_K_M) for rows that are not a multiple of 256: the published file's 704- and
-# 2112-wide down projections, 16 of its 30 layers' experts, +1.56 GB at full size. Q5_K is not
-# repacked: a Q5_K_M file holds most of its weights in it, and repacked the model would take
-# nearly Q8_0's memory.
-REPACK_TYPES = ("Q5_0", "Q5_1")
+# a weight (which types, and why: their rows in mlx_dgemma.formats).
+REPACK_TYPES = formats.names(lambda t: t.repack)
 REPACK_BITS = 8
 
 
@@ -536,13 +531,6 @@ class TensorInfo:
     ggml_type: str
 
 
-# bits per element of each ggml type's exact MLX form, and whether its scales stay float32
-_EXACT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4,
-               "Q5_K": 5, "Q6_K": 6}
-_FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
-# K-quant scales (d * sc) are not exact in float16; the legacy types' are (schema: narrowest exact)
-_FLOAT32_SCALES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-
 
 def repacked(precision: str, ggml_type: str | None) -> bool:
     """Whether ``precision``'s runtime form on a GPU repacks a weight stored as ``ggml_type``
@@ -557,16 +545,16 @@ def tensor_bytes(info: TensorInfo, precision: str, num_layers: int, scale_bytes:
     are held in (None: as stored); ``repack``: fast's 5-bit legacy types held repacked at 8 bits
     (the runtime's form on a GPU, :func:`repacked`)."""
     n = int(np.prod(info.shape))
-    if info.ggml_type in _FLOAT_BYTES:
-        return n * (float_bytes or _FLOAT_BYTES[info.ggml_type])
+    fmt = formats.lookup(info.ggml_type)  # bits, sub-blocks and scales of its exact form
+    if not fmt.quantized:
+        return n * (float_bytes or fmt.float_bytes)
     t = target(precision, info.module, info.ggml_type, num_layers, info.shape[-1])
     if t is not None:
         return n * t.bits // 8 + 2 * (n // t.group_size) * np.dtype(SCALE_DTYPE).itemsize
-    bits = REPACK_BITS if repack and repacked(precision, info.ggml_type) else _EXACT_BITS[info.ggml_type]
-    padded = info.ggml_type in PADDED_TYPES
-    stored = n * (2 if padded else 1)
+    bits = REPACK_BITS if repack and repacked(precision, info.ggml_type) else fmt.bits
+    stored = n * (2 if fmt.padded else 1)
     if precision == "exact":
-        sb = 4 if info.ggml_type in _FLOAT32_SCALES else 2
+        sb = 4 if fmt.float32_scales else 2  # the legacy types' scales are exact in float16
     else:
         sb = scale_bytes
     return stored * bits // 8 + 2 * (stored // 32) * sb

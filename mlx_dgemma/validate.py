@@ -20,6 +20,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from . import formats
 from .errors import ModelFilesError, ParameterError
 from .params import check_generation_field, is_int, is_number
 from .paths import input_problem
@@ -231,6 +232,7 @@ def check_config(config: Any, source: str) -> None:
     q = config.get("quantization", {})
     if not isinstance(q, dict):
         bad("quantization", "an object", q)
+    quantized = formats.names(lambda t: t.quantized)
     for k, v in q.items():
         if k in ("group_size", "bits"):
             if not (is_int(v) and (v in _BITS if k == "bits" else v in (32, 64, 128))):
@@ -239,6 +241,9 @@ def check_config(config: Any, source: str) -> None:
             if not (is_int(v.get("bits")) and v["bits"] in _BITS and v.get("group_size", 32) in (32, 64, 128)
                     and v.get("subblock", 32) in (16, 32)):
                 bad(f"quantization[{k!r}]", "bits in {2,3,4,5,6,8}, group_size 32/64/128, subblock 16/32", v)
+            # the type the weight came from: the memory plan prices and fast re-quantizes by it
+            if v.get("ggml_type") is not None and v["ggml_type"] not in quantized:
+                bad(f"quantization[{k!r}].ggml_type", f"one of {', '.join(quantized)}", v["ggml_type"])
 
 
 def check_safetensors(path: Path) -> dict[str, dict]:

@@ -8,7 +8,6 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from mlx_dgemma.convert.quants import (FORMATS, narrowest_exact_dtype, pack_bits, pad_subblocks,
                                        repack_rows, unpack_bits, unpad_subblocks)
-from mlx_dgemma.convert.synthetic import _FP16_FIELDS
 
 
 def random_valid_blocks(qtype, rows, cols, rng):
@@ -17,7 +16,7 @@ def random_valid_blocks(qtype, rows, cols, rng):
     fmt = FORMATS[qtype]
     nb = rows * cols // fmt.block_size()
     raw = rng.integers(0, 256, (nb, fmt.type_size()), dtype=np.uint8)
-    d_off, m_off, _ = _FP16_FIELDS[qtype]
+    d_off, m_off, _ = fmt.fp16_fields
     for off in (d_off, m_off):
         if off is None:
             continue
