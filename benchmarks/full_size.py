@@ -376,10 +376,10 @@ def on_disk_tiers() -> tuple[str, ...]:
     """Precisions ``convert --precision`` writes as their own (smaller) directory, besides exact
     and fast: the memory tiers, where this checkout has them."""
     try:
-        from mlx_dgemma.tiers import LOSSY_ON_DISK
+        from mlx_dgemma.tiers import TIER_ROWS
     except ImportError:
         return ()
-    return tuple(p for p in LOSSY_ON_DISK if p != "fast")
+    return tuple(t.name for t in TIER_ROWS if t.requantizes)
 
 
 def estimate_load_peak(model_dir: Path, exact_dir: Path) -> int:

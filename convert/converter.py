@@ -28,7 +28,7 @@ from mlx_dgemma.plan import Budget, make_plan, offline_budget
 from mlx_dgemma.rss import peak_rss_bytes
 from mlx_dgemma.schema import QuantSpec
 from mlx_dgemma.sidecar import SIDECAR_FILE, fast_todo, file_digest, requantize_slices, sidecar_record
-from mlx_dgemma.tiers import PADDED_TYPES, TIER_RECIPE, TIERS, TensorInfo, target, tensor_bytes
+from mlx_dgemma.tiers import PADDED_TYPES, TIERS, TensorInfo, target, tensor_bytes, tier
 from mlx_dgemma.validate import check_tokenizer_data, model_dir_shards
 
 from .errors import ConvertError
@@ -77,12 +77,13 @@ class ConvertReport:
     @property
     def lossy(self) -> bool:
         """Lossy (the former ``--compact`` is ``precision == "fast"``)."""
-        return self.precision != "exact"
+        return not tier(self.precision).lossless
 
     def summary_lines(self, errors: bool = True) -> list[str]:
         """The summary a conversion prints; ``errors=False`` leaves out the lossy tensors' error
         line (``--verify`` follows with its own, recomputed from the GGUF)."""
-        mode = "exact (lossless)" if self.precision == "exact" else f"{self.precision} (lossy: {TIER_RECIPE[self.precision]})"
+        row = tier(self.precision)
+        mode = f"{row.name} (lossless)" if row.lossless else f"{row.name} (lossy: {row.recipe})"
         lines = [f"converted {self.tensors} tensors in {self.seconds:.1f} s [{mode}]",
                  f"  input  {self.source}  {self.input_bytes / 1e9:.3f} GB",
                  f"  output {self.output}  {self.output_bytes / 1e9:.3f} GB",

@@ -373,13 +373,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="repack a DiffusionGemma GGUF into an MLX model directory")
     c.add_argument("gguf", help="the .gguf file")
     c.add_argument("out_dir", help="output directory, created with its parents (must not exist unless --force)")
-    from .tiers import TIER_HELP, TIERS
+    from .tiers import TIER_ROWS, TIERS
 
     form = c.add_mutually_exclusive_group()
     form.add_argument("--precision", choices=(*TIERS, "auto"), default="exact",
                       help="the weights' form on disk (default exact, bit for bit); a lossy one is smaller and is "
                            "what a small Mac loads without ever holding the exact form: "
-                           + "; ".join(f"{k} = {v}" for k, v in TIER_HELP.items() if k != "exact")
+                           + "; ".join(f"{t.name} = {t.help}" for t in TIER_ROWS if not t.lossless)
                            + "; auto = the most exact form that runs on this machine (or --machine, --memory-limit)")
     form.add_argument("--compact", action="store_const", dest="precision", const="fast",
                       help="the same as --precision fast (its older name)")

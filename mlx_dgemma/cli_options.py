@@ -45,10 +45,10 @@ def add_quality_arg(p: Any) -> None:
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
     """``--precision`` and ``--dtype``: the runtime precision (see mlx_dgemma.precision)."""
-    from .tiers import PRECISIONS, TIER_HELP
+    from .tiers import PRECISIONS, TIER_ROWS
 
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="runtime precision: " + "; ".join(f"{k} = {v}" for k, v in TIER_HELP.items())
+                   help="runtime precision: " + "; ".join(f"{t.name} = {t.help}" for t in TIER_ROWS)
                         + "; auto (default) = fast, or the most exact tier that fits memory "
                         "(mlx-dgemma plan MODEL lists them)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,

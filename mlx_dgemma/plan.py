@@ -42,13 +42,12 @@ from .errors import DGemmaError, MemoryBudgetError, ParameterError
 from .machines import MACHINES, GiB, Machine, MiB
 from .memory import device_budget, estimate, gb
 from .schema import ModelArgs
-from .tiers import TIER_HELP, TIERS, TensorInfo, weight_bytes
+from .tiers import AUTO_ORDER, TIERS, TensorInfo, tier, weight_bytes
 
 if TYPE_CHECKING:
     from .distributed import Split
 
 DEFAULT_CONTEXT = 4096  # tokens the plan reserves KV cache for (prompt, history and answer)
-AUTO_ORDER = ("fast", "q4", "q3")  # what auto tries, most exact first
 
 
 @dataclass(frozen=True)
@@ -163,7 +162,7 @@ class Plan:
     def auto_candidates(self) -> tuple[str, ...]:
         """What ``auto`` tries: ``AUTO_ORDER`` from the stored form on (a directory's form is
         never made more exact)."""
-        stored = self.stored if self.stored in AUTO_ORDER else "fast"
+        stored = self.stored if self.stored in AUTO_ORDER else AUTO_ORDER[0]
         return AUTO_ORDER[AUTO_ORDER.index(stored):]
 
     @property
@@ -181,7 +180,7 @@ class Plan:
         if self.stored != "gguf":
             return f"mlx-dgemma convert {src} {self.model.rstrip('/')}-{precision} --precision {precision}"
         name = "dgemma-demo" if self.is_demo else "dgemma"  # README's directory for the real model
-        if precision == "exact":  # convert's default
+        if tier(precision).lossless:  # convert's default
             return f"mlx-dgemma convert {src} ~/models/{name}"
         return f"mlx-dgemma convert {src} ~/models/{name}-{precision} --precision {precision}"
 
@@ -256,12 +255,17 @@ class Plan:
     def repack_note(self) -> str | None:
         """One line when fast's 8-bit repack of its 5-bit weights does not fit (fast loads
         them 5-bit, slower on a GPU), else None."""
-        r = self.row("fast")
-        if r.repacked is not False:
+        r = self.repack_row
+        if r is None or r.repacked is not False:
             return None
-        return (f"{self.model}: fast keeps its 5-bit (Q5_0/Q5_1) weights 5-bit: repacked to 8 bits (lossless, faster "
-                f"on a GPU) they would take {gb(r.repack_bytes)} more, and the repack is made only where as much "
-                f"again stays free of the {gb(self.available_bytes)} available ({self.budget})")
+        return (f"{self.model}: {r.precision} keeps its 5-bit (Q5_0/Q5_1) weights 5-bit: repacked to 8 bits "
+                f"(lossless, faster on a GPU) they would take {gb(r.repack_bytes)} more, and the repack is made only "
+                f"where as much again stays free of the {gb(self.available_bytes)} available ({self.budget})")
+
+    @property
+    def repack_row(self) -> PlanRow | None:
+        """The row of the precision that repacks its 5-bit weights on a GPU (fast), if any."""
+        return next((r for r in self.rows if tier(r.precision).repack), None)
 
     def to_dict(self) -> dict[str, Any]:
         best = self.best_fit(self.auto_candidates)
@@ -272,7 +276,7 @@ class Plan:
                 "auto": best, "best_form": self.best_form(),
                 "advice": self.advice("auto") if best is None or best != self.stored else [],
                 "precisions": [{**asdict(r), "needed_bytes": r.needed_bytes, "resident_bytes": r.resident_bytes,
-                                "help": TIER_HELP[r.precision]} for r in self.rows]}
+                                "help": tier(r.precision).help} for r in self.rows]}
 
     def table(self) -> list[str]:
         share = f"; per rank: rank {self.rank}'s share of {self.ranks} ranks" if self.ranks > 1 else ""
@@ -298,11 +302,11 @@ class Plan:
             lines.append(f"  auto loads: {best}")
             if best != self.stored and not self.is_demo:  # made at every start (the demo's in milliseconds)
                 lines.append(f"  to load {best} without re-quantizing at every start: `{self.convert_command(best)}`")
-        fast = self.row("fast")
-        if fast.repacked and fast.fits:
-            lines.append(f"  fast's figures include its 5-bit (Q5_0/Q5_1) weights repacked to 8 bits on the GPU "
-                         f"(+{gb(fast.repack_bytes)}, lossless: the same values, faster kernels)")
-        elif fast.repacked is False and fast.fits:
+        repack = self.repack_row
+        if repack is not None and repack.repacked and repack.fits:
+            lines.append(f"  {repack.precision}'s figures include its 5-bit (Q5_0/Q5_1) weights repacked to 8 bits "
+                         f"on the GPU (+{gb(repack.repack_bytes)}, lossless: the same values, faster kernels)")
+        elif repack is not None and repack.repacked is False and repack.fits:
             lines.append(f"  {self.repack_note()}")
         if self.machine is not None and self.machine.nax:
             lines.append("  an M5-class GPU: under macOS 26.2 or later MLX runs float32 matmuls with TF32-like (NAX) "
@@ -444,20 +448,21 @@ def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: 
     from_form = "exact" if stored == "gguf" else stored
 
     def priced(inv: list[TensorInfo], p: str, repack: bool = False) -> int:
-        return (weight_bytes(inv, "exact", layers) if p == "exact"
+        return (weight_bytes(inv, p, layers) if tier(p).lossless
                 else weight_bytes(inv, p, layers, scale_bytes=act, float_bytes=act, repack=repack))
 
     rows = []
     for p in TIERS:
-        w, itemsize = priced(inventory, p), 4 if p == "exact" else act
+        row = tier(p)
+        w, itemsize = priced(inventory, p), 4 if row.lossless else act
         # fast on a GPU repacks its 5-bit weights to 8 bits (what that adds: ``extra``) where that
         # fits with as much again to spare, else loads them as stored: the repack never makes fast not fit
-        extra = priced(inventory, p, repack=True) - w if budget.gpu and p == "fast" else 0
+        extra = priced(inventory, p, repack=True) - w if budget.gpu and row.repack else 0
         est = estimate(shape, context_tokens, new_blocks=0, dtype=itemsize)
         loadable = TIERS.index(p) >= TIERS.index(from_form)
         # several ranks: a form quantized before the split must split at whole groups (a
         # directory's stored form; a .gguf's q4/q3, made whole). Re-quantized after it, it is.
-        before = from_form if stored != "gguf" else p if p in ("q4", "q3") else None
+        before = from_form if stored != "gguf" else p if row.requantizes else None
         refused = ranks > 1 and loadable and before is not None and cuts_groups(full, splits, before, layers)
         loadable = loadable and not refused
         for repack in (True, False) if extra else (False,):

@@ -48,8 +48,8 @@ from .errors import ModelFilesError, ParameterError
 from .gpu import keep_float32_exact
 from .schema import QuantSpec
 from .sidecar import StoredWeight, goal_for, requantize_tensors, usable_sidecar
-from .tiers import (FAST_BITS, FAST_GROUP, PRECISIONS, REPACK_BITS, TIERS, Target, check_precision_dtype, repacked,
-                    stored_precision)
+from .tiers import (AUTO_ORDER, FAST_BITS, FAST_GROUP, PRECISIONS, REPACK_BITS, TIERS, Target, Tier,
+                    check_precision_dtype, repacked, stored_precision, tier)
 
 log = logging.getLogger("mlx_dgemma.precision")
 
@@ -86,9 +86,14 @@ class Precision:
         return f"{self.name} ({self.dtype_name})"
 
     @property
+    def tier(self) -> Tier:
+        """Its row (:data:`mlx_dgemma.tiers.TIER_ROWS`): what it stores for each weight."""
+        return tier(self.name)
+
+    @property
     def lossy_weights(self) -> bool:
         """Weights re-quantized (the tiers), not just scales rounded."""
-        return self.name in ("q4", "q3")
+        return self.tier.requantizes
 
 
 def gpu_available() -> bool:
@@ -118,12 +123,12 @@ def resolve_precision(precision: str | Precision | None = "auto", dtype: str | m
         if dtype not in DTYPES:
             raise ParameterError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    if name == "exact":
+    row = tier(AUTO_ORDER[0] if name == "auto" else name)
+    if row.lossless:
         check_precision_dtype(name, None if dtype is None else str(dtype).split(".")[-1])
-        return Precision("exact", mx.float32)
-    name = "fast" if name == "auto" else name
-    return Precision(name, dtype if dtype is not None else fast_dtype(), FAST_SC_TOP_K,
-                     repack=name == "fast" and gpu_available())
+        return Precision(row.name, mx.float32)
+    return Precision(row.name, dtype if dtype is not None else fast_dtype(), FAST_SC_TOP_K,
+                     repack=row.repack and gpu_available())
 
 
 def check_loadable(stored: str, precision: Precision, source: str) -> None:
@@ -234,7 +239,7 @@ def apply_precision(model: nn.Module, precision: Precision, quantization: dict |
     directory's sidecar (``model_dir``, its ``config``) when that file matches. The precision itself is the caller's to keep with the
     model (the loader's :class:`mlx_dgemma.runtime.Runtime`), as are steps traced before.
     """
-    if precision.name == "exact":
+    if precision.tier.lossless:
         keep_float32_exact()  # before its first matmul: float32 stays IEEE on an M5-class GPU too
         return
     dt = precision.dtype
@@ -248,8 +253,8 @@ def apply_precision(model: nn.Module, precision: Precision, quantization: dict |
                         m["weight"].shape[-1], layers)
         if goal is not None:
             todo.append((path, m, goal))
-    if precision.name == "fast" and model_dir is not None and config is not None \
-            and stored_precision(config) == "exact":
+    if precision.tier.padded and model_dir is not None and config is not None \
+            and tier(stored_precision(config)).lossless:
         todo = _take_sidecar(todo, model_dir, config)
     _requantize_modules(todo)
     if precision.repack:

@@ -6,7 +6,8 @@ same re-quantizer (:func:`requantize_affine`, from the integers and scales of a 
 form; :func:`requantize_stored` reads them from MLX's packed arrays), and the memory plan (:mod:`mlx_dgemma.plan`) prices a precision from
 the tensor inventory before a byte of weights is read.
 
-Precisions, most exact first:
+Precisions, most exact first, each one :class:`Tier` row of :data:`TIER_ROWS` (its recipe by
+role, what the plan, the loader, the converter and ``--help`` read of it; a new tier is a new row):
 
 * ``exact``: every weight as the GGUF stores it (bit-exact; float32 K-quant scales, padded
   16-element sub-blocks).
@@ -16,14 +17,10 @@ Precisions, most exact first:
   formerly ``--compact``) the scales are float16. On a GPU, where the memory plan allows, the
   runtime also repacks the 5-bit legacy types (:data:`REPACK_TYPES`) into 8-bit groups with the
   same scales and biases (lossless; :func:`tensor_bytes` ``repack``); never on disk.
-* ``q4`` (fits a 24 GB Mac: 14.2 GB of weights at full size): experts 4-bit, the embedding
-  (also the output head and the self-conditioning matrix) 6-bit, everything else (attention,
-  dense MLP, self-conditioning MLP) 5-bit.
-* ``q3`` (aimed at a 16 GB Mac: 11.3 GB): experts 3-bit, except the first and last layers'
-  4-bit; the embedding 6-bit, everything else 4-bit. Under 10 GB would take 2-bit experts.
-
-Groups: 128 for the experts, 64 elsewhere; a group that does not divide a row falls back to the
-next smaller (the published down projections, 704 and 2112 wide, use 64).
+* ``q4`` (fits a 24 GB Mac: 14.2 GB of weights at full size) and ``q3`` (aimed at a 16 GB Mac:
+  11.3 GB; under 10 GB would take 2-bit experts): weights re-quantized by role, the bits in their
+  rows; groups of 128 for the experts, 64 elsewhere, or the next smaller where one does not divide
+  a row (the published down projections, 704 and 2112 wide, use 64).
 
 Why these: on real llama.cpp blocks (``benchmarks/tier_recipes.py``) affine 4-bit groups of 128
 (4.25 bits per weight) give 15 % less error than ``mxfp4`` at the same 4.25 bits, and the bytes
@@ -50,24 +47,66 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from . import formats
+from .packing import PER_CHUNK, chunk_type, pack_bits, unpack_bits
 from .schema import unpad_subblocks
 
-# Most exact first: ``auto`` picks the first that fits.
-TIERS = ("exact", "fast", "q4", "q3")
-PRECISIONS = ("auto", *TIERS)
-LOSSY_ON_DISK = ("fast", "q4", "q3")  # what ``convert --precision`` can write besides exact
 
-# One line each, for --help, plan and README.
-TIER_RECIPE = {  # what each precision stores, for any model (a conversion's summary says this)
-    "exact": "bit-exact weights, float32 (verify's and the parity tests' form)",
-    "fast": "exact integers, half-precision scales, Q6_K head re-quantized to 8 bits",
-    "q4": "experts 4-bit, the rest 5-6 bits",
-    "q3": "experts 3-bit, the rest 4-6 bits",
-}
-# the published model at full size (README, "Which Mac, which form, which command"): --help adds it
-FULL_SIZE_NOTE = {"q4": " (14.2 GB at full size): fits a 24 GB Mac",
-                  "q3": " (11.3 GB at full size): a 16 GB Mac with its GPU limit raised"}
-TIER_HELP = {k: v + FULL_SIZE_NOTE.get(k, "") for k, v in TIER_RECIPE.items()}
+@dataclass(frozen=True)
+class Tier:
+    """One precision: what it stores for each weight (by role: the experts, the first and last
+    layers' experts, the embedding, the rest) and what the plan, the loader, the converter and
+    ``--help`` read of it. Declared once, in :data:`TIER_ROWS`."""
+
+    name: str
+    recipe: str  # one line: what it stores, for any model (--help, plan, README, a conversion's summary)
+    full_size: str = ""  # the published model at full size (README, "Which Mac, which form, which command")
+    lossless: bool = False  # bit-exact weights and scales, float32 activations (no --dtype)
+    auto: bool = True  # ``auto`` tries it (most exact first: the rows' order)
+    padded: bool = False  # the padded sub-block types re-quantized to FAST_BITS (pairs rule; the sidecar)
+    repack: bool = False  # on a GPU, the 5-bit legacy types repacked to REPACK_BITS where the plan allows
+    aliases: tuple[str, ...] = ()  # older names of its stored form (config.json ``mlx_dgemma.weights``)
+    experts: int = 0  # bits by role (0: every weight kept as stored or by ``padded``)
+    edge_experts: int = 0  # the first and last layers' experts
+    embedding: int = 0  # also the output head and the self-conditioning matrix
+    rest: int = 0  # attention, dense MLP, self-conditioning MLP
+    experts_group: int = 128
+    group: int = 64
+
+    @property
+    def help(self) -> str:
+        """Its recipe and the published model's size in it (--help, plan --json)."""
+        return self.recipe + self.full_size
+
+    @property
+    def requantizes(self) -> bool:
+        """Its weights re-quantized by role (the memory tiers), not just their scales rounded."""
+        return self.experts > 0
+
+
+TIER_ROWS = (  # most exact first: ``auto`` picks the first of its rows that fits
+    Tier("exact", "bit-exact weights, float32 (verify's and the parity tests' form)", lossless=True, auto=False),
+    Tier("fast", "exact integers, half-precision scales, Q6_K head re-quantized to 8 bits", padded=True,
+         repack=True, aliases=("compact",)),
+    Tier("q4", "experts 4-bit, the rest 5-6 bits", " (14.2 GB at full size): fits a 24 GB Mac",
+         experts=4, edge_experts=4, embedding=6, rest=5),
+    Tier("q3", "experts 3-bit, the rest 4-6 bits", " (11.3 GB at full size): a 16 GB Mac with its GPU limit raised",
+         experts=3, edge_experts=4, embedding=6, rest=4),
+)
+TIERS = tuple(t.name for t in TIER_ROWS)
+PRECISIONS = ("auto", *TIERS)
+AUTO_ORDER = tuple(t.name for t in TIER_ROWS if t.auto)  # what auto tries, most exact first
+# config.json's ``mlx_dgemma.weights``: a tier, or an older name of one ("compact": fast's form)
+STORED_FORMS = (*TIERS, *(a for t in TIER_ROWS for a in t.aliases))
+
+
+def tier(name: str) -> Tier:
+    """The row of precision ``name``; ValueError for a name that is none (``auto`` included:
+    the plan resolves it)."""
+    row = next((t for t in TIER_ROWS if t.name == name), None)
+    if row is None:
+        raise ValueError(f"unknown precision {name!r}")
+    return row
+
 
 # Padded sub-block types (Q2_K, Q3_K, Q6_K) in fast: 8 bits keeps their 6-bit (or fewer) values
 # to within a fraction of their own step; 32 is MLX's smallest affine group.
@@ -89,15 +128,11 @@ def check_precision_dtype(precision: str, dtype: str | None) -> None:
     """``exact`` is float32 by definition: another activation dtype with it is an error rather
     than a silent contradiction. By name, standard library only, so the command line refuses
     ``--precision exact --dtype bfloat16`` before it imports MLX (it took 7.8 s to say so)."""
-    if precision == "exact" and dtype is not None and dtype != "float32":
+    if precision in TIERS and tier(precision).lossless and dtype is not None and dtype != "float32":
         from .errors import ParameterError
 
-        raise ParameterError("--dtype: exact precision runs in float32; use --precision fast "
+        raise ParameterError(f"--dtype: {precision} precision runs in float32; use --precision {AUTO_ORDER[0]} "
                              "for bfloat16/float16 activations")
-
-
-# config.json's ``mlx_dgemma.weights``: a tier, or "compact" (fast's form under its older name)
-STORED_FORMS = (*TIERS, "compact")
 
 
 def stored_precision(config: dict) -> str:
@@ -109,7 +144,7 @@ def stored_precision(config: dict) -> str:
     w = section.get("weights", "exact") if isinstance(section, dict) else None
     if not (isinstance(w, str) and w in STORED_FORMS):
         raise ValueError(f"config.json mlx_dgemma.weights = {w!r}: expected one of {', '.join(TIERS)}")
-    return "fast" if w == "compact" else w
+    return next(t.name for t in TIER_ROWS if w in (t.name, *t.aliases))
 
 
 @dataclass(frozen=True)
@@ -140,19 +175,20 @@ def target(precision: str, module: str, ggml_type: str, num_layers: int, width: 
 
 
 def _recipe(precision: str, module: str, ggml_type: str, num_layers: int) -> Target | None:
-    if precision in ("exact", "auto"):
+    if precision == "auto":
         return None
-    if precision == "fast":
+    row = tier(precision)  # ValueError for an unknown name
+    if row.padded:
         return Target(FAST_BITS, FAST_GROUP, pairs=ggml_type in PAIRED_TYPES) if ggml_type in PADDED_TYPES else None
-    if precision not in ("q4", "q3"):
-        raise ValueError(f"unknown precision {precision!r}")
+    if not row.requantizes:
+        return None
     if ".experts." in module:
         m = _LAYER.match(module)
         edge = m is not None and int(m.group(1)) in (0, num_layers - 1)
-        return Target(4 if precision == "q4" or edge else 3, 128)
+        return Target(row.edge_experts if edge else row.experts, row.experts_group)
     if module == "embed_tokens":  # the output head and the self-conditioning matrix
-        return Target(6, 64)
-    return Target(5 if precision == "q4" else 4, 64)
+        return Target(row.embedding, row.group)
+    return Target(row.rest, row.group)
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,9 +422,9 @@ def _packed_columns(weight: np.ndarray, bits: int) -> Callable[[int, int], np.nd
     second half is padding) as :func:`_requantize_pairs` reads it: the real half's bytes,
     transposed, then unpacked row by row (long vectors) in MLX's LSB-first layout."""
     raw = np.ascontiguousarray(weight).view(np.uint8).reshape(-1, 4 * bits)  # 32 elements a group
-    per = _PER_CHUNK[bits]
+    per = PER_CHUNK[bits]
     nbytes = per * bits // 8
-    acc_t = _chunk_type(nbytes)
+    acc_t = chunk_type(nbytes)
     mask = acc_t((1 << bits) - 1)
 
     def columns(m0: int, m1: int) -> np.ndarray:
@@ -429,55 +465,6 @@ def dequantize(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size
     g *= scales.astype(np.float32)[..., None]
     g += biases.astype(np.float32)[..., None]
     return g.reshape(q.shape)
-
-
-# Elements per whole-byte chunk of each width (``per * bits / 8`` bytes), packed in the
-# narrowest unsigned integer that holds a chunk (no 64-bit temporaries but for 5 bits).
-_PER_CHUNK = {1: 8, 2: 4, 3: 8, 4: 2, 5: 8, 6: 4, 8: 1}
-
-
-def _chunk_type(nbytes: int) -> type:
-    return np.uint8 if nbytes == 1 else np.uint32 if nbytes <= 4 else np.uint64
-
-
-def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
-    """Pack unsigned ``q`` ([..., n] uint8, n*bits % 32 == 0) into MLX's uint32 layout.
-
-    MLX reads each row as an LSB-first bitstream: element j occupies bits
-    [j*bits, (j+1)*bits) of the row's little-endian byte string.
-    """
-    lead, n = q.shape[:-1], q.shape[-1]
-    if bits == 8:
-        return np.ascontiguousarray(q, dtype=np.uint8).view(np.uint32)
-    per = _PER_CHUNK[bits]
-    nbytes = per * bits // 8
-    acc_t = _chunk_type(nbytes)
-    chunks = q.reshape(*lead, n // per, per)
-    acc = chunks[..., 0].astype(acc_t)
-    for i in range(1, per):
-        acc |= chunks[..., i].astype(acc_t) << acc_t(bits * i)
-    raw = acc.view(np.uint8).reshape(*acc.shape, np.dtype(acc_t).itemsize)[..., :nbytes]
-    return np.ascontiguousarray(raw).reshape(*lead, n * bits // 8).view(np.uint32)
-
-
-def unpack_bits(w: np.ndarray, bits: int) -> np.ndarray:
-    """Inverse of :func:`pack_bits`."""
-    raw = np.ascontiguousarray(w).view(np.uint8)
-    lead, nb = raw.shape[:-1], raw.shape[-1]
-    if bits == 8:
-        return raw.copy()
-    per = _PER_CHUNK[bits]
-    nbytes = per * bits // 8
-    acc_t = _chunk_type(nbytes)
-    by = raw.reshape(*lead, nb // nbytes, nbytes)
-    acc = by[..., 0].astype(acc_t)
-    for i in range(1, nbytes):
-        acc |= by[..., i].astype(acc_t) << acc_t(8 * i)
-    out = np.empty((*acc.shape, per), dtype=np.uint8)
-    mask = acc_t((1 << bits) - 1)
-    for i in range(per):
-        np.bitwise_and(acc >> acc_t(bits * i), mask, out=out[..., i], casting="unsafe")
-    return out.reshape(*lead, nb // nbytes * per)
 
 
 def dequantize_stored(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
