@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from .cli_options import (  # noqa: F401 (re-exported: the shared flags and request helpers, standard library)
-    DEMO_HELP, add_precision_args, add_quality_arg, add_sampler_args, load_for_cli, memory_limit, planned_precision,
+    DEMO_HELP, add_precision_args, add_quality_arg, add_sampler_args, load_for_cli, memory_limit, planned_load,
     sampler_overrides)
 from .errors import DGemmaError, Terminated, hold_interrupts, terminate_as_interrupt
 from .stdio import standard_streams, stdout_closed  # imported here: no import between main() and its handlers
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 
 # --------------------------------------------------------------------------- convert, verify
@@ -124,26 +128,29 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         from .errors import ParameterError
 
         raise ParameterError("chat under mlx.launch needs --model PATH or --demo (or MLX_DGEMMA_MODEL)")
+    plan = None
     try:
-        precision = planned_precision(args)  # a model that does not fit is refused before the app starts
+        plan = planned_load(args)  # a model that does not fit is refused before the app starts
     except MemoryBudgetError:
         raise
     except DGemmaError:  # a file that cannot be read: the app says why and offers the demo
         if ranks:
             raise
-        precision = args.precision
+    # the app's load reads the model this plan opened, in the precision it chose
+    precision = plan.chosen if plan is not None else args.precision
     if ranks and launched_rank() > 0:  # rank 0 owns the app; this rank runs its model calls
-        return _follow_chat(args, precision)
+        return _follow_chat(args, precision, plan)
     if ranks:
         with rank_terminal("chat"):
             return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
                            think=args.think, system=args.system, memory_limit=memory_limit(args),
-                           quality=args.quality)
+                           quality=args.quality, plan=plan)
     return run_app(model=model, demo=args.demo, dtype=args.dtype, precision=precision,
-                   think=args.think, system=args.system, memory_limit=memory_limit(args), quality=args.quality)
+                   think=args.think, system=args.system, memory_limit=memory_limit(args), quality=args.quality,
+                   plan=plan)
 
 
-def _follow_chat(args: argparse.Namespace, precision: str) -> int:
+def _follow_chat(args: argparse.Namespace, precision: str, plan: Plan | None = None) -> int:
     """A rank > 0 of ``chat`` under ``mlx.launch``: load this rank's slices and run every model
     call rank 0's app makes (``ModelRuntime.follow``) until it quits (Ctrl+Q there).
 
@@ -159,7 +166,7 @@ def _follow_chat(args: argparse.Namespace, precision: str) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    run_follower(load_for_cli(args.model, args.demo, args.dtype, precision, memory_limit(args)), "chat")
+    run_follower(load_for_cli(args.model, args.demo, args.dtype, precision, memory_limit(args), plan), "chat")
 
 
 CHAT_EPILOG = """\
@@ -204,7 +211,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from .demo import DEMO_NOTICES
         from .server import check_args, main as serve_main
     check_args(args)  # a bad flag is the one line printed, before the notice and the memory plan
-    args.precision = planned_precision(args)  # refused before the server starts if it does not fit
+    # refused before the server starts if it does not fit; the server's load reads what it opened
+    args.plan = planned_load(args)
+    args.precision = args.plan.chosen
     if args.demo:
         print(f"[demo] {DEMO_NOTICES['trained']}", file=sys.stderr, flush=True)
     return serve_main(args)
@@ -251,9 +260,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             from .errors import ParameterError
 
             raise ParameterError(f"--ranks {args.ranks}: must be a number of Macs (processes) in [1, 64]")
-        # the ranks' shares differ by a vocabulary row at most: show the largest
-        plan = max((plan_model(args.model, limit, args.context, ranks=args.ranks, rank=r, machine=args.machine)
-                    for r in range(args.ranks)), key=lambda p: p.row("exact").needed_bytes)
+        from .loader import ModelSource
+
+        # the ranks' shares differ by a vocabulary row at most: show the largest (the model opened once)
+        with ModelSource.open(args.model) as source:
+            plan = max((plan_model(source, limit, args.context, ranks=args.ranks, rank=r, machine=args.machine)
+                        for r in range(args.ranks)), key=lambda p: p.row("exact").needed_bytes)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else "\n".join(plan.table()))
     return 0 if plan.best_fit(plan.auto_candidates) else 1  # a script can ask "does it fit?" (1: nothing does)
 

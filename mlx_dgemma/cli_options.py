@@ -17,6 +17,7 @@ from .errors import hold_interrupts
 from .params import flags  # generation parameter -> its flag (standard library only)
 
 if TYPE_CHECKING:
+    from .plan import Plan
     from .request import GenerationRequest
 
 
@@ -58,19 +59,22 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
                         "working set, or available RAM); a precision that does not fit is refused before loading")
 
 
-def planned_precision(args: argparse.Namespace) -> str:
-    """--precision after the memory plan (auto -> the most exact form that fits --memory-limit or
-    the device); refuses, in one line, a model that does not fit. Nothing is loaded."""
+def planned_load(args: argparse.Namespace) -> Plan | None:
+    """The memory plan of --model or --demo (``loader.plan_load``), made once, before the app or
+    the server starts: ``plan.chosen`` is --precision after it (auto -> the most exact form that
+    fits --memory-limit or the device); a model that does not fit is refused in one line. The
+    plan carries the model it opened (nothing is loaded): pass it to the load
+    (``open_model(plan=)``), which reads it without opening the file or planning again.
+    None when no model is given."""
     if not getattr(args, "demo", False) and not getattr(args, "model", None):
         if getattr(args, "memory_limit", None) is not None:
             with hold_interrupts():  # the plan's module imports MLX
                 memory_limit(args)  # a bad size is refused even with no model to plan yet
-        return args.precision
+        return None
     # the plan imports MLX (the device's memory): Ctrl+C inside mlx.core's import was swallowed
     # (the server then started anyway) or aborted the process; reading a header takes a moment
     with hold_interrupts():
-        from .loader import plan_model
-        from .plan import choose_across_ranks
+        from .loader import plan_load
 
         limit = memory_limit(args)
         if getattr(args, "demo", False):  # the demo is a model file like any other: planned the same
@@ -80,7 +84,7 @@ def planned_precision(args: argparse.Namespace) -> str:
         else:
             model = args.model
         # under mlx.launch: this rank's share, and the same precision on every rank
-        return choose_across_ranks(plan_model(model, limit), args.precision)
+        return plan_load(model, args.precision, limit)
 
 
 def memory_limit(args: argparse.Namespace) -> int | None:
@@ -137,12 +141,13 @@ def flagged(events: Iterator[Any], overrides: Mapping[str, Any]) -> Iterator[Any
 
 
 def load_for_cli(model: str | None, demo: bool, dtype: str | None = None, precision: str = "auto",
-                 memory_limit: int | None = None):
-    """The :class:`~mlx_dgemma.runtime.Runtime` of --model or --demo (the core's ``open_model``), loading
-    progress on stderr."""
+                 memory_limit: int | None = None, plan: Plan | None = None):
+    """The :class:`~mlx_dgemma.runtime.Runtime` of --model or --demo (the core's ``open_model``; ``plan``:
+    :func:`planned_load`'s), loading progress on stderr."""
     from .loader import open_model
     from .progress import ProgressBar
 
     bar = ProgressBar("loading", unit="tensors", scale=1)
     limit = {"memory_limit": memory_limit} if memory_limit is not None else {}
-    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name), **limit)
+    return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name), plan=plan,
+                      **limit)

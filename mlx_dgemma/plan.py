@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -126,6 +126,12 @@ class Plan:
     rank: int = 0
     machine: Machine | None = None  # the Mac the budget describes (a preset or this Mac), else None
     gguf: str | None = None  # the .gguf to convert from (the model itself, or the one its directory names)
+    # A load's plan (loader.plan_load) carries the model it priced, opened and checked once
+    # (loader.ModelSource: a .gguf's GGUFSource, or a directory's checked config), which the load
+    # then reads, and the precision chosen for it (under mlx.launch agreed by every rank): the
+    # load neither opens the file nor plans again. None on a plan that only prices (`plan`).
+    source: Any = field(default=None, compare=False, repr=False)
+    chosen: str | None = None
 
     def row(self, precision: str) -> PlanRow:
         return next(r for r in self.rows if r.precision == precision)

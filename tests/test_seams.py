@@ -42,7 +42,7 @@ def calls(monkeypatch):
     seen: list[dict] = []
     real = mlx_dgemma.loader.open_model
 
-    def spy(model, demo, precision="auto", dtype=None, progress=None, memory_limit=None):
+    def spy(model, demo, precision="auto", dtype=None, progress=None, memory_limit=None, plan=None):
         seen.append({"args": (model, demo, precision, dtype), "progress": 0})
 
         def counted(i, n, name):
@@ -50,7 +50,7 @@ def calls(monkeypatch):
             progress(i, n, name)
 
         return real(model, demo, precision, dtype, progress=counted if progress else None,
-                    memory_limit=memory_limit)
+                    memory_limit=memory_limit, plan=plan)
 
     monkeypatch.setattr(mlx_dgemma.loader, "open_model", spy)
     return seen

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual.app import App
 from textual.binding import Binding
@@ -18,6 +19,9 @@ from mlx_dgemma.launch import need_terminal
 from mlx_dgemma.paths import configured_model, user_path
 
 from .engine import Backend, Engine, ModelBackend
+
+if TYPE_CHECKING:
+    from mlx_dgemma.plan import Plan
 
 LOAD_FAILED_EXIT = 2  # the exit status when the user quits while no model could be loaded
 # How long Ctrl+Q waits for the engine to finish its current step (or tensor of a load) and
@@ -180,11 +184,12 @@ def _signals_end_app(app: DGemmaApp) -> Iterator[None]:
 
 def run_app(model: str | None = None, demo: bool = False, dtype: str | None = None,
             precision: str = "auto", think: bool = False, system: str | None = None,
-            memory_limit: int | None = None, quality: str | None = None) -> int:
+            memory_limit: int | None = None, quality: str | None = None, plan: Plan | None = None) -> int:
     """Run the chat app; the exit status is non-zero if the user quits with no model loaded.
     ``think`` and ``system``: the thought channel and the system prompt to start with;
     ``memory_limit``: ``--memory-limit`` in bytes (the load's and every answer's budget);
-    ``quality``: the speed/quality dial's setting to start with (``mlx_dgemma.params.QUALITIES``)."""
+    ``quality``: the speed/quality dial's setting to start with (``mlx_dgemma.params.QUALITIES``);
+    ``plan``: the command line's memory plan of ``model`` (``mlx_dgemma.loader.plan_load``), which the load reads."""
     from mlx_dgemma.errors import ModelFilesError
 
     from_env = not model and not demo
@@ -193,7 +198,8 @@ def run_app(model: str | None = None, demo: bool = False, dtype: str | None = No
 
     sampler = GenerationRequest.of(quality=quality).params  # the chat's sampler overrides to start with
     backend = ModelBackend(model=model, demo=demo, dtype=dtype, precision=precision, think=think,
-                           system=system, memory_limit=memory_limit, sampler=sampler) if (model or demo) else None
+                           system=system, memory_limit=memory_limit, sampler=sampler,
+                           plan=plan) if (model or demo) else None
     if model and not demo and not Path(model).exists():
         source = " (from MLX_DGEMMA_MODEL)" if from_env else ""
         raise ModelFilesError(f"{model}{source}: no such file or directory; give a .gguf file or a directory "

@@ -9,7 +9,7 @@ The engine and the screens reach the model only through :class:`Backend`; the re
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from textual.message import Message
 
@@ -19,6 +19,9 @@ from mlx_dgemma.request import GenerationRequest
 from mlx_dgemma.worker import ModelWorker, Ticket, WorkerStopped
 
 from .messages import EngineError, EngineEvent, EngineStatus
+
+if TYPE_CHECKING:
+    from mlx_dgemma.plan import Plan
 
 
 @runtime_checkable
@@ -71,8 +74,10 @@ class ModelBackend:
 
     def __init__(self, model: str | None = None, demo: bool = False, dtype: str | None = None,
                  precision: str = "auto", think: bool = False, system: str | None = None,
-                 memory_limit: int | None = None, sampler: dict[str, Any] | None = None):
+                 memory_limit: int | None = None, sampler: dict[str, Any] | None = None,
+                 plan: Plan | None = None):
         self.model_path, self.demo, self.dtype, self.precision = model, demo, dtype, precision
+        self.plan = plan  # the command line's memory plan (mlx_dgemma.loader.plan_load): the load reads it
         self.memory_limit = memory_limit  # --memory-limit: the load's and every answer's budget
         self.think, self.system = think, system or None
         self.sampler = dict(sampler or {})  # the sampler overrides to start with (chat --quality)
@@ -92,7 +97,7 @@ class ModelBackend:
             progress("loading the demo model")
         runtime = open_model(self.model_path, self.demo, self.precision, self.dtype,
                              progress=lambda i, n, name: progress(f"loading {i}/{n} {name}"),
-                             memory_limit=self.memory_limit)
+                             memory_limit=self.memory_limit, plan=self.plan)
         self.tokenizer = runtime.tokenizer
         self.generation_config = dict(runtime.generation_config)
         self.canvas_length = runtime.model.args.canvas_length

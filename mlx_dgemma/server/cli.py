@@ -196,7 +196,8 @@ def follow(args: argparse.Namespace) -> int:
     from .engine import load_model
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_follower(load_model(args.model, args.demo, args.dtype, args.precision, _memory_limit(args)), "serve")
+    run_follower(load_model(args.model, args.demo, args.dtype, args.precision, _memory_limit(args),
+                            getattr(args, "plan", None)), "serve")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -222,7 +223,7 @@ def main(args: argparse.Namespace) -> int:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
         engine = Engine(args.model, args.demo, args.dtype, args.precision, args.model_id, limits,
-                        memory_limit=_memory_limit(args))
+                        memory_limit=_memory_limit(args), plan=getattr(args, "plan", None))
     try:
         engine.start()
     except DGemmaError as e:

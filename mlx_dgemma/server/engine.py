@@ -42,6 +42,7 @@ from .payloads import block_payload, logprob_entry, step_payload
 from .shaping import Limits, Shaping, normalize_messages, plain_chat, tools_for  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
+    from mlx_dgemma.plan import Plan
     from mlx_dgemma.runtime import Runtime
 
 log = logging.getLogger("mlx_dgemma.server")
@@ -92,16 +93,16 @@ class Job:
 
 
 def load_model(model: str | None, demo: bool, dtype: str | None, precision: str,
-               memory_limit: int | None = None) -> Runtime:
+               memory_limit: int | None = None, plan: Plan | None = None) -> Runtime:
     """The one place the server loads a model: the core's ``open_model`` (``--model`` or
     ``--demo``, ``--precision``, ``--dtype`` and ``--memory-limit``: the plan's and every
-    request's memory budget), with a loading bar on stderr."""
+    request's memory budget; ``plan``: the command line's, read by the load), with a loading bar."""
     from mlx_dgemma.loader import open_model
     from mlx_dgemma.progress import ProgressBar
 
     bar = ProgressBar("loading", unit="tensors", scale=1)
     return open_model(model, demo, precision, dtype, progress=lambda i, n, name: bar.update(i, n, name),
-                      memory_limit=memory_limit)
+                      memory_limit=memory_limit, plan=plan)
 
 
 def model_id_of(path: str | None) -> str:
@@ -122,9 +123,10 @@ class Engine(Shaping):
 
     def __init__(self, model_path: str | None = None, demo: bool = False, dtype: str | None = None,
                  precision: str = "auto", model_id: str | None = None, limits: Limits | None = None,
-                 memory_limit: int | None = None):
+                 memory_limit: int | None = None, plan: Plan | None = None):
         self.limits = limits or Limits()
         self.memory_limit = memory_limit  # --memory-limit: the load's and every request's budget
+        self.plan = plan  # the command line's memory plan: the load reads the model it opened
         self.model_path, self.demo, self.dtype_name, self.precision_name = model_path, demo, dtype, precision
         self.precision = ""  # the label of what was loaded, e.g. "fast (bfloat16)"
         self.memory_bytes = 0  # memory in use after the last load or job (read on the worker: MLX stays there)
@@ -214,7 +216,8 @@ class Engine(Shaping):
         from mlx_dgemma.lockstep import ModelRuntime
         from mlx_dgemma.memory import memory_bytes
 
-        loaded = load_model(self.model_path, self.demo, self.dtype_name, self.precision_name, self.memory_limit)
+        loaded = load_model(self.model_path, self.demo, self.dtype_name, self.precision_name, self.memory_limit,
+                            self.plan)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.precision = loaded.precision.label
         self.generation_config = loaded.generation_config
