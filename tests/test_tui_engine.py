@@ -10,7 +10,7 @@ import pytest
 
 from mlx_dgemma.tui.app import DGemmaApp
 from mlx_dgemma.request import GenerationRequest
-from mlx_dgemma.tui.engine import Backend, Engine, ModelBackend
+from mlx_dgemma.tui.engine import Backend, ChatEngine, ModelBackend
 from mlx_dgemma.tui.messages import STATES, EngineStatus
 from mlx_dgemma.tui.screens.welcome import WelcomeScreen
 
@@ -107,13 +107,13 @@ def test_every_engine_state_has_a_visible_check():
 def test_the_engine_posts_every_state_and_only_those():
     posted: list[str] = []
     record = lambda m: posted.append(m.state) if isinstance(m, EngineStatus) else None  # noqa: E731
-    engine = Engine(ScriptedBackend(steps=1, blocks=1), record)
+    engine = ChatEngine(ScriptedBackend(steps=1, blocks=1), record)
     engine.start()
     engine.generate("q", GenerationRequest(), 1)
     assert engine.worker.submit(lambda t: None).done.wait(10)  # after the answer, in order
     engine.stop()
     assert engine.join(10)
-    engine = Engine(FailingLoad(), record)
+    engine = ChatEngine(FailingLoad(), record)
     engine.start()
     assert engine.join(10)  # a failed load ends the worker
     assert posted == ["loading", "loading", "ready", "busy", "ready", "loading", "failed"]

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from mlx_dgemma.events import BlockEvent, DoneEvent, Event, PrefillEvent, StepEvent
+from mlx_dgemma.host import ModelInfo
 from mlx_dgemma.request import GenerationRequest
 
 WORDS = ["The", " sky", " is", " blue", " because", " air", " scatters", " short", " waves", ".",
@@ -35,6 +36,13 @@ class ScriptedBackend:
         self.prompts: list[tuple[str, dict]] = []
         self.thinks: list[bool] = []  # the thought channel of each answer
         self.produced = 0  # steps yielded so far (engine thread)
+
+    @property
+    def info(self) -> ModelInfo:
+        """The scripted model's facts, from its attributes (known from the start)."""
+        return ModelInfo(name=self.label, precision=self.precision_label, demo="trained" if self.is_demo else None,
+                         canvas_length=self.canvas_length, context_length=4096, vocab_size=len(WORDS),
+                         generation_config=self.generation_config)
 
     def load(self, progress: Callable[[str], None]) -> None:
         progress("scripted")

@@ -18,7 +18,7 @@ from textual.reactive import reactive
 from mlx_dgemma.launch import need_terminal
 from mlx_dgemma.paths import configured_model, user_path
 
-from .engine import Backend, Engine, ModelBackend
+from .engine import Backend, ChatEngine, ModelBackend
 
 if TYPE_CHECKING:
     from mlx_dgemma.plan import Plan
@@ -43,11 +43,11 @@ class DGemmaApp(App):
     def __init__(self, backend: Backend | None = None, trace_dir: str | Path = ".", **kw):
         super().__init__(**kw)
         self.backend = backend
-        self.engine: Engine | None = None
+        self.engine: ChatEngine | None = None
         self.trace_dir = Path(trace_dir)
         self.last_export: Path | None = None
         self.load_error: str | None = None  # set while the model could not be loaded
-        self.engines: list[Engine] = []  # every engine started (a failed load leaves one, maybe still stopping)
+        self.engines: list[ChatEngine] = []  # every engine started (a failed load leaves one, maybe still stopping)
         self.signals: list[int] = []  # SIGINT/SIGTERM/SIGHUP received (run_app's _signals_end_app): the app exits
 
     def on_mount(self) -> None:
@@ -95,7 +95,7 @@ class DGemmaApp(App):
 
         self.chat_screen = ChatScreen()
         # post_message is thread-safe and does not block the engine on the UI
-        self.engine = Engine(self.backend, self.chat_screen.post_message)
+        self.engine = ChatEngine(self.backend, self.chat_screen.post_message)
         self.push_screen(self.chat_screen)
         # The core's ModelWorker runs MLX for the whole session on its own daemon thread, not
         # a Textual thread worker: those run in asyncio's default executor, which the app's

@@ -1,6 +1,8 @@
-"""The chat app's side of the core's model worker (:class:`mlx_dgemma.worker.ModelWorker`,
-the one the server uses too): the load, answer and new-chat jobs of a :class:`Backend` run
-on its thread, in order, and their results come back to the UI as Textual messages.
+"""The chat app's side of the core's model host (:class:`mlx_dgemma.host.ModelHost`, the one
+the server uses too): the load, answer and new-chat jobs of a :class:`Backend` run on its
+worker thread, in order, and their results come back to the UI as Textual messages; the
+model's facts (:class:`~mlx_dgemma.host.ModelInfo`) and its memory, sampled on that thread,
+are the host's, read by the UI without calling MLX.
 
 The engine and the screens reach the model only through :class:`Backend`; the real one is
 :class:`ModelBackend`, tests plug in a scripted one (tests/tui_fakes.py) with no MLX.
@@ -15,6 +17,7 @@ from textual.message import Message
 
 from mlx_dgemma.errors import DGemmaError
 from mlx_dgemma.events import DoneEvent, Event
+from mlx_dgemma.host import ModelHost, ModelInfo
 from mlx_dgemma.request import GenerationRequest
 from mlx_dgemma.worker import ModelWorker, Ticket, WorkerStopped
 
@@ -26,14 +29,12 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class Backend(Protocol):
-    """What the chat app needs from a model. ``load`` and ``stream`` run on the engine thread;
-    the attributes and ``piece``/``decode``/``memory_bytes`` are read by the UI (no MLX work)."""
+    """What the chat app needs from a model. ``load``, ``stream`` and ``memory_bytes`` run on the
+    engine thread; the attributes and ``piece``/``decode`` are read by the UI (no MLX work)."""
 
     label: str  # what the model is, for the status line and errors: a path, or the demo's name
     is_demo: bool  # shows the demo banner
-    canvas_length: int  # tokens per block (known once loaded)
-    precision_label: str  # the runtime precision, e.g. "fast (bfloat16)" (known once loaded)
-    generation_config: dict[str, Any]  # the model's sampler defaults (known once loaded)
+    info: ModelInfo | None  # the loaded model's facts (known once loaded; the host hands them to the UI)
     think: bool  # the thought channel at start (``--think``); the settings screen can change it
     system: str | None  # the system prompt at start (``--system``); each new chat takes the current one
     sampler: dict[str, Any]  # the sampler overrides at start (``--quality``); the settings screen changes them
@@ -54,7 +55,7 @@ class Backend(Protocol):
         ``mlx.launch`` the real backend tells the other ranks to leave here)."""
 
     def memory_bytes(self) -> int:
-        """Memory the process holds now."""
+        """Memory the process holds now (on the engine thread: the host samples it there)."""
 
     def sc_top_k(self, params: Any) -> int | None:
         """The self-conditioning top-k an answer under ``params`` (SamplerParams) runs with, for
@@ -83,11 +84,9 @@ class ModelBackend:
         self.sampler = dict(sampler or {})  # the sampler overrides to start with (chat --quality)
         self.runtime = None  # the ModelRuntime, once loaded
         self.tokenizer = None
-        self.generation_config: dict[str, Any] = {}
+        self.info: ModelInfo | None = None
         self.label = "demo model (tiny, trained on the KJV Bible)" if demo else str(model)
         self.is_demo = demo
-        self.canvas_length = 0
-        self.precision_label = ""
 
     def load(self, progress: Callable[[str], None]) -> None:
         from mlx_dgemma.loader import open_model
@@ -99,10 +98,8 @@ class ModelBackend:
                              progress=lambda i, n, name: progress(f"loading {i}/{n} {name}"),
                              memory_limit=self.memory_limit, plan=self.plan)
         self.tokenizer = runtime.tokenizer
-        self.generation_config = dict(runtime.generation_config)
-        self.canvas_length = runtime.model.args.canvas_length
-        self.precision_label = runtime.precision.label
-        self.runtime = ModelRuntime(runtime, self.generation_config)
+        self.info = ModelInfo.of(runtime, self.label)
+        self.runtime = ModelRuntime(runtime)
         self.runtime.new_chat(enable_thinking=self.think, system=self.system)
 
     @property
@@ -146,13 +143,13 @@ def describe_error(e: Exception) -> str:
     return str(e) if isinstance(e, DGemmaError) else f"{type(e).__name__}: {e}"
 
 
-class Engine:
-    """A :class:`ModelWorker` serving one :class:`Backend`, and the messages the chat screen
+class ChatEngine:
+    """A :class:`ModelHost` serving one :class:`Backend`, and the messages the chat screen
     reads: every state change (:class:`EngineStatus`), each event of an answer
     (:class:`EngineEvent`), failures (:class:`EngineError`). ``post`` is thread-safe
     (``Screen.post_message``): the worker never waits for the UI.
 
-    The worker loop itself is the core's; what stays here is what only the chat app needs
+    The host and its worker loop are the core's; what stays here is what only the chat app needs
     and the core must not know (Textual's messages, the job kinds, which answer an event
     belongs to), so that the screens call methods, not the worker.
 
@@ -165,14 +162,30 @@ class Engine:
     def __init__(self, backend: Backend, post: Callable[[Message], None]):
         self.backend = backend
         self._post = post
-        self.worker: ModelWorker[None] = ModelWorker(self._load, name="mlx-dgemma-engine", finish=self._close)
+        self.host = ModelHost(self._load, loaded=self._loaded, name="mlx-dgemma-engine", finish=self._close,
+                              memory=backend.memory_bytes)
         self.loaded = False
         self._answer: Ticket | None = None  # the last answer's job: what Escape cancels
 
     # the UI's side -----------------------------------------------------------------------
+    @property
+    def worker(self) -> ModelWorker[ModelInfo]:
+        """The host's worker thread."""
+        return self.host.worker
+
+    @property
+    def info(self) -> ModelInfo | None:
+        """The loaded model's facts (None until it is loaded)."""
+        return self.host.info
+
+    @property
+    def memory_bytes(self) -> int:
+        """The process's memory, sampled on the worker at the load and at each event of an answer."""
+        return self.host.memory_bytes
+
     def start(self) -> None:
         """Start the worker; the load runs on it and reports as "loading", then "ready" or "failed"."""
-        self.worker.launch()
+        self.host.launch()
 
     def generate(self, prompt: str, request: GenerationRequest, answer_id: int, think: bool = False) -> None:
         """Queue the next turn (``think``: with the thought channel); its events come back
@@ -191,20 +204,20 @@ class Engine:
 
     def stop(self) -> None:
         """Ask the worker to stop at its next safe point; does not wait (see :meth:`join`)."""
-        self.worker.stop(timeout=0)
+        self.host.stop(timeout=0)
 
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the worker thread to end; whether it has."""
-        return self.worker.join(timeout)
+        return self.host.join(timeout)
 
     @property
     def running(self) -> bool:
         """The worker thread is alive (it may be finishing a step after :meth:`stop`)."""
-        return self.worker.running
+        return self.host.running
 
     def _submit(self, run: Callable[[Ticket], None], **kw: Any) -> Ticket | None:
         try:
-            return self.worker.submit(run, **kw)
+            return self.host.submit(run, **kw)
         except WorkerStopped:  # quitting, or the load failed: the chat is closing, nothing to run
             return None
 
@@ -214,18 +227,22 @@ class Engine:
         self.backend.close()
 
     def _progress(self, detail: str) -> None:
-        if self.worker.stopping:  # Ctrl+Q while loading: give up between tensors
+        if self.host.stopping:  # Ctrl+Q while loading: give up between tensors
             raise WorkerStopped("stopped while loading")
         self._post(EngineStatus("loading", detail))
 
-    def _load(self) -> None:
+    def _load(self) -> ModelInfo:
         self._post(EngineStatus("loading", self.backend.label))
         try:
             self.backend.load(self._progress)
         except Exception as e:
-            if not self.worker.stopping:  # the app offers what to do
+            if not self.host.stopping:  # the app offers what to do
                 self._post(EngineStatus("failed", describe_error(e)))
             raise  # the worker ends: the jobs queued meanwhile never run
+        return self.backend.info  # type: ignore[return-value] - set by a load that returned
+
+    def _loaded(self, info: ModelInfo) -> None:
+        """On the worker, once the host holds ``info`` (what the chat screen reads from then on)."""
         self.loaded = True
         self._post(EngineStatus("ready", self.backend.label))
 
@@ -233,7 +250,8 @@ class Engine:
                   think: bool) -> None:
         try:
             self._post(EngineStatus("busy"))
-            for ev in self.backend.stream(prompt, lambda: ticket.cancelled, think=think, request=request):
+            events = self.backend.stream(prompt, lambda: ticket.cancelled, think=think, request=request)
+            for ev in self.host.sampled(events):  # the memory the status line shows, sampled here
                 self._post(EngineEvent(ev, answer_id))
         except Exception as e:  # noqa: BLE001 - shown in the app, never a crash; the worker goes on
             self._post(EngineError(describe_error(e), answer_id))
@@ -249,12 +267,11 @@ class Engine:
     def _not_started(self, answer_id: int) -> None:
         """An answer cancelled while it waited (Escape on a message sent during the load): it
         never runs, but the screen still hears that it ended, so it does not stay "answering"."""
-        if self.worker.stopping or not self.loaded:
+        if self.host.stopping or not self.loaded:
             return  # quitting, or the load failed: the chat screen is gone
         done = DoneEvent(text="", thinking="", tokens=(), finish_reason="cancelled", prompt_tokens=0,
                          prefill_seconds=0.0, prefill_tokens_per_second=0.0, steps=0, steps_per_block=(),
                          seconds_per_step=0.0, tokens_per_forward=0.0, generation_seconds=0.0,
-                         peak_memory_bytes=self.backend.memory_bytes(),
-                         precision=self.backend.precision_label)
+                         peak_memory_bytes=self.host.sample_memory(), precision=self.host.info.precision)
         self._post(EngineEvent(done, answer_id))
         self._post(EngineStatus("ready"))

@@ -345,10 +345,11 @@ async def health(engine: Engine = Depends(get_engine)) -> JSONResponse:
     """200 ``ok`` once the model is loaded and warmed up; 503 ``loading`` before, ``down`` after a stop."""
     alive = engine.alive
     status = "down" if not alive else "ok" if engine.ready.is_set() else "loading"
-    return JSONResponse({"status": status, "model": engine.model_id,
-                         "precision": engine.precision, "busy": engine.busy, "running": engine.worker.in_progress,
+    # the model's facts both front ends show (ModelInfo.shown: the precision), null before the load
+    return JSONResponse({"status": status, "model": engine.model_id, **engine.host.shown(),
+                         "busy": engine.busy, "running": engine.worker.in_progress,
                          "queued": engine.waiting, "served": engine.served,
-                         "reused_prefixes": engine.reused_prefixes, "memory_bytes": engine.memory_bytes},
+                         "reused_prefixes": engine.reused_prefixes, "memory_bytes": engine.host.memory_bytes},
                         status_code=200 if status == "ok" else 503)
 
 

@@ -1,5 +1,5 @@
-"""The server's side of the model: requests run on the core's
-:class:`~mlx_dgemma.worker.ModelWorker` (the one thread that owns the model), taking turns at
+"""The server's side of the model: requests run on its :class:`~mlx_dgemma.host.ModelHost`'s
+worker (the one thread that owns the model), taking turns at
 block boundaries, and reported to each request's event loop as they go. The checks and the
 shaping of a request before it gets here are :mod:`.shaping`'s; forced tool calls are
 :mod:`.toolcalls`'; an answer's clock and /metrics' text :mod:`.metrics`'; its logprobs entries
@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from mlx_dgemma.chat_template import TOOL_CALL_CLOSE, ToolCall, parse_answer, render_chat
 from mlx_dgemma.errors import DGemmaError
+from mlx_dgemma.host import ModelHost, ModelInfo
 from mlx_dgemma.request import GenerationRequest
-from mlx_dgemma.worker import ModelWorker, Ticket, WorkerBusy, WorkerStopped
+from mlx_dgemma.worker import Ticket, WorkerBusy, WorkerStopped
 
 from . import toolcalls
 from .errors import APIError
@@ -115,7 +116,8 @@ def model_id_of(path: str | None) -> str:
 
 
 class Engine(Shaping):
-    """The model behind the server: a :class:`ModelWorker` and what requests need to know.
+    """The server's requests on the model: its :class:`~mlx_dgemma.host.ModelHost` (the model on
+    its worker thread, its facts, its memory) and what requests need to know.
 
     ``model`` and ``tokenizer`` are read by request handlers only for pure-Python work
     (chat template, tokenizer, sizes); every MLX call happens on the worker.
@@ -128,8 +130,6 @@ class Engine(Shaping):
         self.memory_limit = memory_limit  # --memory-limit: the load's and every request's budget
         self.plan = plan  # the command line's memory plan: the load reads the model it opened
         self.model_path, self.demo, self.dtype_name, self.precision_name = model_path, demo, dtype, precision
-        self.precision = ""  # the label of what was loaded, e.g. "fast (bfloat16)"
-        self.memory_bytes = 0  # memory in use after the last load or job (read on the worker: MLX stays there)
         self.model: Any = None
         self.tokenizer: Any = None
         self.generation_config: dict[str, Any] = {}
@@ -149,8 +149,9 @@ class Engine(Shaping):
         self._session_busy = False  # a running request is using the session (others render afresh)
         self.runtime: Any = None  # the core's ModelRuntime: every rank runs the model calls (lockstep)
         self._durations: deque[float] = deque(maxlen=32)  # seconds of recent jobs (for Retry-After)
-        self.worker: ModelWorker[None] = ModelWorker(self._load, max_waiting=self.limits.queue_size,
-                                                     name="mlx-dgemma-engine", finish=self._finish)
+        self.host = ModelHost(self._load, max_waiting=self.limits.queue_size, name="mlx-dgemma-engine",
+                              finish=self._finish)
+        self.worker = self.host.worker
 
     # lifecycle ------------------------------------------------------------
     def start(self, warm_up: bool = True) -> "Engine":
@@ -186,7 +187,7 @@ class Engine(Shaping):
                 self.ready.set()
 
         try:
-            self.worker.submit(run, skipped=lambda t: self.ready.set(), bypass_limit=True)
+            self.host.submit(run, skipped=lambda t: self.ready.set(), bypass_limit=True)
         except WorkerStopped:
             self.ready.set()
 
@@ -194,41 +195,44 @@ class Engine(Shaping):
         """The server is stopping: new requests get a 503, running and waiting ones stop at their
         next step and are answered with a final error (a stream ends with an error event)."""
         self.stopping = True
-        self.worker.cancel_all()
+        self.host.cancel_all()
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Cancel the running and waiting jobs at their next step and end the worker (bounded)."""
-        return self.worker.stop(timeout)
+        return self.host.stop(timeout)
 
     @property
     def alive(self) -> bool:
-        return self.worker.alive
+        return self.host.alive
 
     @property
     def busy(self) -> bool:
-        return self.worker.busy
+        return self.host.busy
 
     @property
     def waiting(self) -> int:
-        return self.worker.waiting
+        return self.host.waiting
 
-    def _load(self) -> None:
+    @property
+    def precision(self) -> str:
+        """What was loaded, e.g. "fast (bfloat16)" ("" before the load): the host's :class:`ModelInfo`."""
+        return self.host.info.precision if self.host.info is not None else ""
+
+    def _load(self) -> ModelInfo:
         from mlx_dgemma.lockstep import ModelRuntime
-        from mlx_dgemma.memory import memory_bytes
 
         loaded = load_model(self.model_path, self.demo, self.dtype_name, self.precision_name, self.memory_limit,
                             self.plan)
+        info = ModelInfo.of(loaded, self.model_id)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        self.precision = loaded.precision.label
-        self.generation_config = loaded.generation_config
-        self.canvas = int(self.model.args.canvas_length)
-        self.context = int(self.model.args.max_position_embeddings)
+        self.canvas, self.context = info.canvas_length, info.context_length  # request shaping's copies
+        self.generation_config = dict(info.generation_config)  # (tests set them on an engine that loads nothing)
         self.max_token_bytes = max((len(t.encode("utf-8", "replace")) for t in self.tokenizer.tokens), default=1)
         self.markers = marker_ids(self.tokenizer)
-        self.memory_bytes = memory_bytes()
         self.runtime = ModelRuntime(loaded)
         # under mlx.launch every rank runs the same generation in lockstep: one at a time
         self.worker.max_running = 1 if self.runtime.lockstep is not None else self.limits.parallel
+        return info
 
     def _finish(self) -> None:
         """The worker stops: under mlx.launch the other ranks leave their follower loop."""
@@ -253,8 +257,7 @@ class Engine(Shaping):
             raise self._shutdown_error()
         job.submitted_at = time.perf_counter()
         try:
-            self.worker.submit(lambda t: self._run_job(job, t), skipped=lambda t: self._skip(job),
-                               cancel=job.cancel)
+            self.host.submit(lambda t: self._run_job(job, t), skipped=lambda t: self._skip(job), cancel=job.cancel)
         except WorkerBusy as e:
             self.totals["refused"] += 1
             wait = self.retry_after()
@@ -286,7 +289,7 @@ class Engine(Shaping):
                 ("requests_waiting", "gauge", self.waiting, "requests waiting for their first turn"),
                 ("requests_running", "gauge", self.worker.in_progress, "requests taking turns on the model"),
                 ("worker_busy", "gauge", int(self.busy), "1 while the worker runs a request"),
-                ("memory_bytes", "gauge", self.memory_bytes, "memory the process holds after the last job")]
+                ("memory_bytes", "gauge", self.host.memory_bytes, "memory the process holds after the last turn")]
 
     def metrics_text(self) -> str:
         """/metrics in Prometheus' text format: :meth:`metrics` and the latency histograms."""
@@ -303,8 +306,6 @@ class Engine(Shaping):
     def _run_job(self, job: Job, ticket: Ticket) -> bool:
         """One turn of ``job``: its generation up to the next block boundary. Returns whether it
         has more (the worker then gives it another turn after the others')."""
-        from mlx_dgemma.memory import memory_bytes
-
         now = job.turn_started = time.perf_counter()
         if job.work is None:
             job.started = now
@@ -331,7 +332,6 @@ class Engine(Shaping):
                 job.stats["engine_s"] = round(seconds, 4)
                 if job.model_s < seconds - 1e-3:  # it shared the model: how much of it was its own
                     job.stats["model_s"] = round(job.model_s, 4)
-                self.memory_bytes = memory_bytes()
                 self.served += 1
                 self._durations.append(seconds)
                 job.release()

@@ -15,6 +15,7 @@ from textual.widgets import Footer, Input
 
 from mlx_dgemma.errors import DGemmaError
 from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
+from mlx_dgemma.host import ModelInfo
 from mlx_dgemma.request import GenerationRequest
 from mlx_dgemma.trace import Trace, settings_in_effect, trace_header
 
@@ -74,6 +75,12 @@ class ChatScreen(Screen):
     @property
     def backend(self) -> Backend:
         return self.app.backend
+
+    @property
+    def info(self) -> ModelInfo | None:
+        """The loaded model's facts, the host's (None while it loads)."""
+        engine = self.app.engine
+        return engine.info if engine is not None else None
 
     def compose(self) -> ComposeResult:
         backend = self.backend
@@ -183,11 +190,13 @@ class ChatScreen(Screen):
         spf = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0
         done = self._last_done
         tpf = done.tokens_per_forward if done and done.tokens_per_forward > 0 else None  # none if no block was committed
+        engine, info = self.app.engine, self.info
+        # the memory as the worker sampled it (the UI thread never calls MLX); the facts both front ends show
         self.query_one(StatusLine).show_step(
             ev, max(self._blocks_planned, len(self.trace.blocks)), spf,
-            tpf, self._prefill_tps, self.backend.memory_bytes(),
+            tpf, self._prefill_tps, engine.memory_bytes if engine is not None else 0,
             "replay ^b/^f" if self.cursor is not None else "",
-            precision=self.backend.precision_label)
+            facts=info.shown().values() if info is not None else ())
 
     def _reached(self) -> tuple[int, int] | None:
         """The block and step (both from 1) the answer had reached, if it reached any: the
@@ -222,8 +231,10 @@ class ChatScreen(Screen):
         log = self.query_one(ChatLog)
         log.add_user(text)
         self.answer = log.add_answer(self.answer_id)
-        canvas = self.backend.canvas_length or 256
-        max_new = int(request.get("max_new_tokens") or self.backend.generation_config.get("max_new_tokens", 256))
+        info = self.info
+        canvas = info.canvas_length if info is not None else 256
+        defaults = info.generation_config if info is not None else {}
+        max_new = int(request.get("max_new_tokens") or defaults.get("max_new_tokens", 256))
         self._blocks_planned = -(-max_new // canvas)
         self.busy = True
         self.app.engine.generate(text, request, self.answer_id, think=self.think)
@@ -241,9 +252,10 @@ class ChatScreen(Screen):
 
     def _trace_header(self, prompt: str, request: GenerationRequest) -> dict:
         """The exported trace's first record: the message, the settings in effect, the model."""
-        params = request.resolve(self.backend.generation_config)
+        info = self.info
+        params = request.resolve(info.generation_config if info is not None else {})
         settings = settings_in_effect(params, self.backend.sc_top_k(params))
-        return trace_header(prompt, settings, self.backend.label, self.backend.precision_label,
+        return trace_header(prompt, settings, self.backend.label, info.precision if info is not None else "",
                             seed=settings.pop("seed"), thinking=self.think, system=self.system,
                             turn=self.turn)
 
@@ -279,7 +291,7 @@ class ChatScreen(Screen):
             self._show_modes()
             self.app.notify(describe(result))
 
-        defaults = dict(self.backend.generation_config)
+        defaults = dict(self.info.generation_config) if self.info is not None else {}
         self.app.push_screen(SettingsScreen({**defaults, **self.params}, defaults, self.think, self.system), done)
 
     def _show_modes(self) -> None:

@@ -1,4 +1,4 @@
-"""The status line: block, step, temperature, speed, memory, precision; or an answer's summary.
+"""The status line: block, step, temperature, speed, memory, the model's facts; or an answer's summary.
 
 A terminal 80 columns wide cannot show every number: the line is made of parts, each with a
 rank, and the parts that do not fit are left out whole, least important first, rather than the
@@ -6,6 +6,9 @@ line being cut at the edge (which used to cut the precision label in half at 100
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 from rich.text import Text
 from textual.widgets import Static
@@ -27,8 +30,9 @@ def fit(parts: Parts, width: int, sep: str = SEP) -> str:
 
 
 def step_parts(ev: StepEvent, blocks: int, spf: float, tpf: float | None, prefill_tps: float | None,
-               memory: int, note: str = "", precision: str = "") -> Parts:
-    """The live (or replayed) step: where, how hot, how fast, how much memory, which precision."""
+               memory: int, note: str = "", facts: Iterable[Any] = ()) -> Parts:
+    """The live (or replayed) step: where, how hot, how fast, how much memory, and ``facts``: the
+    model's facts both front ends show (:meth:`mlx_dgemma.host.ModelInfo.shown`: which precision)."""
     # <=: the blocks max new tokens allows, an answer may end sooner ("block 1/4" read as 1 of 4)
     parts = [(f"block {ev.block}/≤{blocks}", 0), (f"step {ev.step}/{ev.max_steps}", 0),
              (f"T={ev.temperature:.3f}", 3), (f"{ev.seconds if spf == 0 else spf:.2f} s/step", 1)]
@@ -37,8 +41,9 @@ def step_parts(ev: StepEvent, blocks: int, spf: float, tpf: float | None, prefil
     if prefill_tps is not None:
         parts.append((f"prefill {prefill_tps:.0f} tok/s", 4))
     parts.append((f"mem {memory / 1e9:.2f} GB", 2))
-    if precision:  # which runtime precision is running: "fast (bfloat16)", "exact (float32)"
-        parts.append((precision, 1))
+    for fact in facts:  # e.g. which runtime precision is running: "fast (bfloat16)", "exact (float32)"
+        if fact not in (None, ""):
+            parts.append((str(fact), 1))
     if note:
         parts.append((note, 0))
     return parts
@@ -103,8 +108,8 @@ class StatusLine(Static):
         self.refresh()
 
     def show_step(self, ev: StepEvent, blocks: int, spf: float, tpf: float | None, prefill_tps: float | None,
-                  memory: int, note: str = "", precision: str = "") -> None:
-        self.show_parts(step_parts(ev, blocks, spf, tpf, prefill_tps, memory, note, precision))
+                  memory: int, note: str = "", facts: Iterable[Any] = ()) -> None:
+        self.show_parts(step_parts(ev, blocks, spf, tpf, prefill_tps, memory, note, facts))
 
     def show_summary(self, done: DoneEvent, at: tuple[int, int] | None = None) -> None:
         self.show_parts(summary_parts(done, at))
