@@ -3,9 +3,9 @@
 Both front ends (the server's :class:`mlx_dgemma.server.engine.Engine`, the chat app's
 :class:`mlx_dgemma.tui.engine.ChatEngine`) hold one :class:`ModelHost`: the core's
 :class:`~mlx_dgemma.worker.ModelWorker` (the one thread every MLX call of the model runs on),
-the load that runs first on it (``loader.open_model``, then a
-:class:`~mlx_dgemma.lockstep.ModelRuntime`: the front end's, which says how it reports progress), the model's facts once loaded (:class:`ModelInfo`) and the
-memory the process holds, sampled on that thread. A front end submits its requests as jobs
+the load that runs first on it (the front end's: ``loader.open_model`` with its own progress
+report, then a :class:`~mlx_dgemma.lockstep.ModelRuntime`), the model's facts once loaded
+(:class:`ModelInfo`) and the memory the process holds, sampled on that thread. A front end submits its requests as jobs
 (:meth:`ModelHost.submit`), cancels them through their tickets, and reads the facts and the
 memory from any thread without calling MLX.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -35,10 +35,12 @@ if TYPE_CHECKING:
 E = TypeVar("E")
 
 
-def _fact(of: Callable[[Runtime], Any], *, shown: bool = False) -> Any:
+def fact(of: Callable[[Runtime], Any], *, shown: bool | str = False, default: Any = MISSING) -> Any:
     """A field of :class:`ModelInfo`: ``of(runtime)`` is its value once loaded; ``shown``: both
-    front ends show it (the server's /health, the chat app's status line)."""
-    return field(metadata={"of": of, "shown": shown})
+    front ends show it (the server's /health by its name, the chat app's status line as the value,
+    or in words: a format such as ``"{} layers"``); ``default``: its value in a ModelInfo built by
+    hand (a test's scripted model), for a fact added after the others."""
+    return field(default=default, metadata={"of": of, "shown": shown})
 
 
 @dataclass(frozen=True)
@@ -47,22 +49,31 @@ class ModelInfo:
     declared here once, with where it comes from; :meth:`of` reads them all from a Runtime."""
 
     name: str  # what the model is, for people: the path as given, or the demo's name (the front end's words)
-    precision: str = _fact(lambda rt: rt.precision.label, shown=True)  # e.g. "fast (bfloat16)"
-    demo: str | None = _fact(lambda rt: rt.demo_kind)  # "trained" | "random" for the built-in demo; None
-    canvas_length: int = _fact(lambda rt: int(rt.model.args.canvas_length))  # tokens per block
-    context_length: int = _fact(lambda rt: int(rt.model.args.max_position_embeddings))
-    vocab_size: int = _fact(lambda rt: int(rt.model.args.vocab_size))
+    precision: str = fact(lambda rt: rt.precision.label, shown=True)  # e.g. "fast (bfloat16)"
+    demo: str | None = fact(lambda rt: rt.demo_kind)  # "trained" | "random" for the built-in demo; None
+    canvas_length: int = fact(lambda rt: int(rt.model.args.canvas_length))  # tokens per block
+    context_length: int = fact(lambda rt: int(rt.model.args.max_position_embeddings))
+    vocab_size: int = fact(lambda rt: int(rt.model.args.vocab_size))
     # the model's sampler defaults (read-only: a front end copies it to change it)
-    generation_config: Mapping[str, Any] = _fact(lambda rt: MappingProxyType(dict(rt.generation_config)))
+    generation_config: Mapping[str, Any] = fact(lambda rt: MappingProxyType(dict(rt.generation_config)))
 
     @classmethod
-    def of(cls, runtime: Runtime, name: str) -> "ModelInfo":
+    def of(cls, runtime: Runtime, name: str) -> ModelInfo:
         """The facts of ``runtime``, a model called ``name``."""
         return cls(name=name, **{f.name: f.metadata["of"](runtime) for f in fields(cls) if "of" in f.metadata})
 
     def shown(self) -> dict[str, Any]:
         """The facts both front ends show, by field name, in declaration order."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("shown")}
+
+    def shown_words(self) -> list[str]:
+        """The same facts in words, for a status line (those without a value left out)."""
+        words = []
+        for f in fields(self):
+            how, value = f.metadata.get("shown"), getattr(self, f.name)
+            if how and value not in (None, ""):
+                words.append(how.format(value) if isinstance(how, str) else str(value))
+        return words
 
 
 def _process_memory() -> int:

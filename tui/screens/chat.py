@@ -196,7 +196,7 @@ class ChatScreen(Screen):
             ev, max(self._blocks_planned, len(self.trace.blocks)), spf,
             tpf, self._prefill_tps, engine.memory_bytes if engine is not None else 0,
             "replay ^b/^f" if self.cursor is not None else "",
-            facts=info.shown().values() if info is not None else ())
+            facts=info.shown_words() if info is not None else ())
 
     def _reached(self) -> tuple[int, int] | None:
         """The block and step (both from 1) the answer had reached, if it reached any: the

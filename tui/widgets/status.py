@@ -8,7 +8,6 @@ line being cut at the edge (which used to cut the precision label in half at 100
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from rich.text import Text
 from textual.widgets import Static
@@ -30,9 +29,9 @@ def fit(parts: Parts, width: int, sep: str = SEP) -> str:
 
 
 def step_parts(ev: StepEvent, blocks: int, spf: float, tpf: float | None, prefill_tps: float | None,
-               memory: int, note: str = "", facts: Iterable[Any] = ()) -> Parts:
+               memory: int, note: str = "", facts: Iterable[str] = ()) -> Parts:
     """The live (or replayed) step: where, how hot, how fast, how much memory, and ``facts``: the
-    model's facts both front ends show (:meth:`mlx_dgemma.host.ModelInfo.shown`: which precision)."""
+    model's facts both front ends show (:meth:`mlx_dgemma.host.ModelInfo.shown_words`: which precision)."""
     # <=: the blocks max new tokens allows, an answer may end sooner ("block 1/4" read as 1 of 4)
     parts = [(f"block {ev.block}/≤{blocks}", 0), (f"step {ev.step}/{ev.max_steps}", 0),
              (f"T={ev.temperature:.3f}", 3), (f"{ev.seconds if spf == 0 else spf:.2f} s/step", 1)]
@@ -42,8 +41,7 @@ def step_parts(ev: StepEvent, blocks: int, spf: float, tpf: float | None, prefil
         parts.append((f"prefill {prefill_tps:.0f} tok/s", 4))
     parts.append((f"mem {memory / 1e9:.2f} GB", 2))
     for fact in facts:  # e.g. which runtime precision is running: "fast (bfloat16)", "exact (float32)"
-        if fact not in (None, ""):
-            parts.append((str(fact), 1))
+        parts.append((fact, 1))
     if note:
         parts.append((note, 0))
     return parts
@@ -108,7 +106,7 @@ class StatusLine(Static):
         self.refresh()
 
     def show_step(self, ev: StepEvent, blocks: int, spf: float, tpf: float | None, prefill_tps: float | None,
-                  memory: int, note: str = "", facts: Iterable[Any] = ()) -> None:
+                  memory: int, note: str = "", facts: Iterable[str] = ()) -> None:
         self.show_parts(step_parts(ev, blocks, spf, tpf, prefill_tps, memory, note, facts))
 
     def show_summary(self, done: DoneEvent, at: tuple[int, int] | None = None) -> None:
