@@ -73,9 +73,10 @@ def test_the_host_samples_memory_on_its_worker_after_the_load_and_each_turn():
     assert host.shown() == {"precision": "p"}
     out: list[str] = []
     assert host.submit(lambda t: out.extend(host.sampled(iter("ab")))).done.wait(10)
-    assert out == ["a", "b"] and host.memory_bytes == 4  # the load, each event, the turn's end
+    # the load, the first event (the next within MEMORY_SAMPLE_S of it may share its sample), the turn's end
+    assert out == ["a", "b"] and host.memory_bytes == len(seen) >= 3
     assert host.stop(10)
-    assert seen == ["host-test"] * 4
+    assert set(seen) == {"host-test"}
 
 
 async def test_the_chat_app_never_samples_memory_on_the_ui_thread():

@@ -180,7 +180,7 @@ class ChatEngine:
 
     @property
     def memory_bytes(self) -> int:
-        """The process's memory, sampled on the worker at the load and at each event of an answer."""
+        """The process's memory, sampled on the worker at the load and during an answer (at most 15 Hz)."""
         return self.host.memory_bytes
 
     def start(self) -> None:
