@@ -48,7 +48,7 @@ def _chat_loads(monkeypatch) -> dict:
         kw.pop("quality")
         backend = ModelBackend(**kw)
         backend.load(lambda text: None)
-        loaded["precision"] = backend.precision_label
+        loaded["precision"] = backend.info.precision
         return 0
 
     monkeypatch.setattr(tui_app, "run_app", run_app)

@@ -72,7 +72,7 @@ def test_cli_server_and_chat_app_load_through_open_model(calls, tiny_gguf, capsy
                                          (str(tiny_gguf), False, "exact", None)]
     assert all(c["progress"] > 0 for c in calls)  # each front end follows the in-memory conversion
     assert lines and all(line.startswith("loading ") for line in lines)  # the app's progress messages
-    assert backend.precision_label == "exact (float32)" and backend.canvas_length == 32
+    assert backend.info.precision == "exact (float32)" and backend.info.canvas_length == 32
 
 
 def test_memory_probe_prefers_mlx_unless_it_tracks_nothing(monkeypatch):
