@@ -1,5 +1,7 @@
-"""GGUF metadata: what a DiffusionGemma GGUF's keys must hold (types, ranges, cross-field rules),
-and the model's shape (``mlx_dgemma.schema.ModelArgs``) and generation defaults read from them."""
+"""GGUF metadata: what a DiffusionGemma GGUF's keys must hold, and the model's shape
+(``mlx_dgemma.schema.ModelArgs``) and generation defaults read from them. The keys, kinds,
+ranges and rules of the model's fields are declared on ModelArgs itself (``ArgSpec``): this
+module reads and checks by them, naming each fault by its GGUF key."""
 
 from __future__ import annotations
 
@@ -7,16 +9,16 @@ from typing import Any
 
 import numpy as np
 
-from mlx_dgemma.errors import ModelFilesError, NonFiniteError, ParameterError
+from mlx_dgemma.errors import ModelArgsError, ModelFilesError, NonFiniteError, ParameterError
 from mlx_dgemma.params import check_generation_field, gguf_keys
-from mlx_dgemma.schema import ModelArgs, generation_defaults
-from mlx_dgemma.validate import (KIND_TEXT, TOKEN_ID_KEYS, TOKENIZER_MODELS, check_chat_template, kind_ok,
-                                 short_repr)
+from mlx_dgemma.schema import (GGUF_ARCH, KIND_TEXT, LAYER_TYPES, ArgSpec, ModelArgs, arg_specs, generation_defaults,
+                               kind_ok)
+from mlx_dgemma.validate import TOKEN_ID_KEYS, TOKENIZER_MODELS, check_chat_template, short_repr
 
 from .errors import ConvertError
 from .header import GGUFHeader
 
-ARCH = "diffusion-gemma"
+ARCH = GGUF_ARCH
 
 # Arrays longer than this are tokenizer payloads; they are read separately.
 _SMALL_ARRAY = 4096
@@ -42,75 +44,57 @@ def field_kinds(header: GGUFHeader) -> dict[str, tuple[str, str | None, int]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# What a DiffusionGemma GGUF's metadata must hold, checked before anything is built from it
+# What a DiffusionGemma GGUF's metadata must hold, checked before anything is built from it: the
+# keys of ModelArgs' fields (their ArgSpecs in mlx_dgemma.schema) and these others
 
-_P = ARCH + "."
-# key: (kind, low, high, required); kinds: int, float, bool, str, int|list
-_GGUF_KEYS: dict[str, tuple[str, float, float, bool]] = {
-    _P + "block_count": ("int", 1, 512, True),
-    _P + "context_length": ("int", 1, 1 << 24, True),
-    _P + "embedding_length": ("int", 1, 1 << 20, True),
-    _P + "feed_forward_length": ("int", 1, 1 << 22, True),
-    _P + "attention.head_count": ("int", 1, 1024, True),
-    _P + "attention.head_count_kv": ("int|list", 1, 1024, True),
-    _P + "attention.key_length": ("int", 1, 4096, True),
-    _P + "attention.key_length_swa": ("int", 1, 4096, True),
-    _P + "attention.sliding_window": ("int", 1, 1 << 24, True),
-    _P + "attention.sliding_window_pattern": ("list", 0, 0, True),
-    _P + "rope.freq_base": ("float", 1e-6, 1e30, True),
-    _P + "rope.freq_base_swa": ("float", 1e-6, 1e30, True),
-    _P + "attention.layer_norm_rms_epsilon": ("float", 1e-30, 1.0, True),
-    _P + "expert_count": ("int", 1, 4096, True),
-    _P + "expert_used_count": ("int", 1, 4096, True),
-    _P + "expert_feed_forward_length": ("int", 1, 1 << 22, True),
-    _P + "final_logit_softcapping": ("float", 1e-6, 1e6, False),
-    "diffusion.canvas_length": ("int", 1, 1 << 16, False),
-    "general.name": ("str", 0, 0, False),
-    "tokenizer.ggml.model": ("str", 0, 0, False),
-    "tokenizer.chat_template": ("str", 0, 0, False),
-}
+_OTHER_KEYS = ("general.name", "tokenizer.ggml.model", "tokenizer.chat_template")  # strings, optional
+# how a key holding a field is typed, by how the field is read from it (ArgSpec.read)
+_STORED_KIND = {"sliding": "int|list", "global": "int|list", "pattern": "list", "rope": "float"}
+
+
+def _key_specs() -> dict[str, tuple[str, ArgSpec]]:
+    """GGUF key -> (its kind as stored, the spec of the field read from it), for every field read
+    from a key (a field's array length, ``count``, is the tokenizer check's)."""
+    out: dict[str, tuple[str, ArgSpec]] = {}
+    for spec in arg_specs().values():
+        if spec.read != "count":
+            out.update((key, (_STORED_KIND.get(spec.read, spec.kind), spec)) for key in spec.keys)
+    return out
+
+
+def _gguf_bad(source: str, key: str, value: Any, rule: str) -> ModelFilesError:
+    return ModelFilesError(f"{source}: {key} = {short_repr(value)}: expected {rule}; the file is not a valid "
+                           "DiffusionGemma GGUF")
 
 
 def check_gguf_metadata(md: dict[str, Any], kinds: dict[str, tuple[str, str | None, int]], source: str) -> int:
-    """Types, ranges and cross-field consistency of a DiffusionGemma GGUF's metadata. ``kinds``
-    (:func:`field_kinds`) covers the long tokenizer arrays that ``md`` only summarizes.
-    Returns the vocabulary size."""
+    """Types and ranges of a DiffusionGemma GGUF's metadata (the rules between the model's fields:
+    :func:`check_args`, once they are read). ``kinds`` (:func:`field_kinds`) covers the long
+    tokenizer arrays that ``md`` only summarizes. Returns the vocabulary size."""
     def bad(key: str, rule: str) -> None:
-        raise ModelFilesError(f"{source}: {key} = {short_repr(md.get(key))}: expected {rule}; the file is not a "
-                              "valid DiffusionGemma GGUF")
+        raise _gguf_bad(source, key, md.get(key), rule)
 
-    for key, (kind, low, high, required) in _GGUF_KEYS.items():
+    for key, (kind, spec) in _key_specs().items():
         if key not in md:
-            if required:
+            if spec.required:
                 raise ModelFilesError(f"{source}: metadata key {key!r} is missing; the file is not a complete "
                                       "DiffusionGemma GGUF")
             continue
         v = md[key]
-        if not kind_ok(kind, v):
-            bad(key, KIND_TEXT[kind])
-        if kind in ("int", "float") and not low <= v <= high:
-            bad(key, f"a value in [{low:g}, {high:g}]")
-        if kind == "int|list" and any(not low <= x <= high for x in (v if isinstance(v, list) else [v])):
-            bad(key, f"values in [{low:g}, {high:g}]")
-    n_layers = md[_P + "block_count"]
-    pattern = md[_P + "attention.sliding_window_pattern"]
-    if len(pattern) != n_layers or not all(isinstance(x, bool) for x in pattern):
-        bad(_P + "attention.sliding_window_pattern", f"{n_layers} booleans (one per layer)")
-    kv = md[_P + "attention.head_count_kv"]
-    if isinstance(kv, list) and len(kv) != n_layers:
-        bad(_P + "attention.head_count_kv", f"{n_layers} integers (one per layer)")
-    heads = md[_P + "attention.head_count"]
-    for x in kv if isinstance(kv, list) else [kv]:
-        if heads % x:
-            bad(_P + "attention.head_count_kv", f"divisors of attention.head_count = {heads}")
-    if md[_P + "expert_used_count"] > md[_P + "expert_count"]:
-        bad(_P + "expert_used_count", f"at most expert_count = {md[_P + 'expert_count']}")
-    ctx, canvas = md[_P + "context_length"], md.get("diffusion.canvas_length", ModelArgs.canvas_length)
-    if canvas >= ctx:  # a block needs the canvas and at least one prompt token in the context
-        shown = "" if "diffusion.canvas_length" in md else " (absent: the default)"
-        raise ModelFilesError(f"{source}: diffusion.canvas_length = {canvas}{shown}: expected at most {ctx - 1}, "
-                              f"below {_P}context_length = {ctx} (a canvas and its prompt must fit in the "
-                              "context); the file is not a valid DiffusionGemma GGUF")
+        if kind == "int|list":  # one value, or one per layer
+            if not kind_ok(kind, v) or not all(spec.ok(x) for x in (v if isinstance(v, list) else [v])):
+                bad(key, f"{spec.rule}, or an array of them (one per layer)")
+        elif kind == "list":  # its items and length: read_args
+            if not kind_ok(kind, v):
+                bad(key, KIND_TEXT[kind])
+        elif spec.kind == "rope":  # one rope_theta
+            if not spec.in_range(v):
+                bad(key, KIND_TEXT[kind] + spec.range_text)
+        elif not spec.ok(v):
+            bad(key, spec.rule)
+    for key in _OTHER_KEYS:
+        if key in md and not kind_ok("str", md[key]):
+            bad(key, KIND_TEXT["str"])
     for key, param in gguf_keys().items():  # diffusion.eb_*: sampler defaults
         if key in md:
             try:
@@ -156,67 +140,68 @@ def array_len(header: GGUFHeader, key: str) -> int | None:
 
 def args_from_metadata(md: dict[str, Any], vocab_size: int, source: str = "GGUF",
                        partial_rotary_factor: float = 0.25) -> ModelArgs:
-    """The model's shape from GGUF metadata (keys as in the published header)."""
+    """The model's shape from GGUF metadata (keys as in the published header), each field read
+    from its key as its :class:`~mlx_dgemma.schema.ArgSpec` says; :func:`check_args` checks it."""
     arch = md.get("general.architecture")
     if arch != ARCH:
         raise ConvertError(f"{source}: general.architecture is {arch!r}, expected {ARCH!r}; "
                            "this tool converts DiffusionGemma GGUF files only")
 
-    def get(key: str, default: Any = None) -> Any:
-        full = f"{ARCH}.{key}"
-        if full in md:
-            return md[full]
-        if default is None:
-            raise ConvertError(f"{source}: metadata key {full!r} is missing; "
+    def get(key: str) -> Any:
+        if key not in md:
+            raise ConvertError(f"{source}: metadata key {key!r} is missing; "
                                "the file is not a complete DiffusionGemma GGUF")
-        return default
+        return md[key]
 
-    n_layers = int(get("block_count"))
-    pattern = get("attention.sliding_window_pattern")
-    if not isinstance(pattern, list) or len(pattern) != n_layers:
-        raise ConvertError(f"{source}: {ARCH}.attention.sliding_window_pattern must list "
-                           f"{n_layers} booleans (one per layer)")
-    kv = get("attention.head_count_kv")
-    kv = kv if isinstance(kv, list) else [kv] * n_layers
-    layer_types = ["sliding_attention" if s else "full_attention" for s in pattern]
-    sliding_kv = {k for k, s in zip(kv, pattern) if s}
-    global_kv = {k for k, s in zip(kv, pattern) if not s}
-    if len(sliding_kv) > 1 or len(global_kv) > 1:
-        raise ConvertError(f"{source}: {ARCH}.attention.head_count_kv varies within a layer "
-                           f"type ({kv}); expected one value for sliding and one for global layers")
-    n_kv = sliding_kv.pop() if sliding_kv else global_kv.copy().pop()
-    n_kv_global = global_kv.pop() if global_kv else n_kv
-    return ModelArgs(
-        hidden_size=int(get("embedding_length")),
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=n_layers,
-        num_attention_heads=int(get("attention.head_count")),
-        num_key_value_heads=int(n_kv),
-        num_global_key_value_heads=int(n_kv_global),
-        head_dim=int(get("attention.key_length_swa")),
-        global_head_dim=int(get("attention.key_length")),
-        layer_types=layer_types,
-        sliding_window=int(get("attention.sliding_window")),
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default",
-                                  "rope_theta": float(get("rope.freq_base_swa"))},
-            "full_attention": {"rope_type": "proportional",
-                               "partial_rotary_factor": partial_rotary_factor,
-                               "rope_theta": float(get("rope.freq_base"))},
-        },
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        vocab_size=int(vocab_size),
-        num_experts=int(get("expert_count")),
-        top_k_experts=int(get("expert_used_count")),
-        moe_intermediate_size=int(get("expert_feed_forward_length")),
-        final_logit_softcapping=float(get("final_logit_softcapping", ModelArgs.final_logit_softcapping)),
-        max_position_embeddings=int(get("context_length")),
-        pad_token_id=int(md.get("tokenizer.ggml.padding_token_id", 0)),
-        bos_token_id=int(md.get("tokenizer.ggml.bos_token_id", ModelArgs.bos_token_id)),
-        eos_token_id=int(md.get("tokenizer.ggml.eos_token_id", 1)),
-        canvas_length=int(md.get("diffusion.canvas_length", ModelArgs.canvas_length)),
-        mask_token_id=int(md.get("tokenizer.ggml.mask_token_id", ModelArgs.mask_token_id)),
-    )
+    specs = arg_specs()
+    values: dict[str, Any] = {}
+    for f, spec in specs.items():  # single values first: the per-layer ones need the layer count
+        if spec.read == "value" and (spec.required or spec.keys[0] in md):
+            values[f] = (float if spec.kind == "float" else int)(get(spec.keys[0]))
+    n_layers = values["num_hidden_layers"]
+    for f, spec in specs.items():
+        if spec.read == "pattern":
+            key = spec.keys[0]
+            pattern = get(key)
+            if not isinstance(pattern, list) or len(pattern) != n_layers or \
+                    not all(isinstance(x, bool) for x in pattern):
+                raise _gguf_bad(source, key, pattern, f"{n_layers} booleans (one per layer)")
+            values[f] = [LAYER_TYPES[0] if s else LAYER_TYPES[1] for s in pattern]
+    sliding = [t == LAYER_TYPES[0] for t in values["layer_types"]]
+    for f, spec in specs.items():
+        if spec.read in ("sliding", "global"):  # one value for each layer type
+            key = spec.keys[0]
+            per = get(key)
+            if isinstance(per, list) and len(per) != n_layers:
+                raise _gguf_bad(source, key, per, f"{n_layers} integers (one per layer)")
+            per = per if isinstance(per, list) else [per] * n_layers
+            own = {k for k, s in zip(per, sliding) if s == (spec.read == "sliding")}
+            other = {k for k, s in zip(per, sliding) if s != (spec.read == "sliding")}
+            if len(own) > 1 or len(other) > 1:
+                raise ConvertError(f"{source}: {key} varies within a layer type ({per}); expected one value "
+                                   "for sliding and one for global layers")
+            values[f] = int((own or other).pop())
+        elif spec.read == "rope":
+            swa, full = (float(get(k)) for k in spec.keys)
+            values[f] = {"sliding_attention": {"rope_type": "default", "rope_theta": swa},
+                         "full_attention": {"rope_type": "proportional",
+                                            "partial_rotary_factor": partial_rotary_factor, "rope_theta": full}}
+        elif spec.read == "count":
+            values[f] = int(vocab_size)
+    return ModelArgs(**values)
+
+
+def check_args(md: dict[str, Any], args: ModelArgs, source: str) -> None:
+    """The model's shape read from a GGUF against its fields' rules (:meth:`ModelArgs.check`),
+    each error naming the GGUF key and the value the file holds."""
+    specs = arg_specs()
+    try:
+        args.check(lambda f: specs[f].keys[-1])
+    except ModelArgsError as e:
+        shown = md[e.name] if e.name in md else getattr(args, e.field)
+        absent = "" if e.name in md else " (absent: the default)"
+        raise ModelFilesError(f"{source}: {e.name} = {short_repr(shown)}{absent}: expected {e.rule}; the file is not "
+                              "a valid DiffusionGemma GGUF") from None
 
 
 def partial_rotary_factor(rope_freqs: np.ndarray, source: str) -> float:

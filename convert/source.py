@@ -31,7 +31,7 @@ from mlx_dgemma.schema import ModelArgs, QuantSpec
 
 from .errors import ConvertError
 from .header import GGUFHeader
-from .metadata import (ARCH, args_from_metadata, array_len, check_gguf_metadata, field_kinds, field_value,
+from .metadata import (ARCH, args_from_metadata, array_len, check_args, check_gguf_metadata, field_kinds, field_value,
                        generation_config, partial_rotary_factor, read_metadata)
 from .names import mlx_name, module_path, stored_names
 from .quants import FLOAT_TYPES
@@ -240,6 +240,7 @@ def model_metadata(reader: GGUFHeader, source: str) -> tuple[dict, ModelArgs]:
     rope = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     factor = partial_rotary_factor(np.asarray(rope.data), source) if rope is not None else 0.25
     cfg = args_from_metadata(md, vocab, source=source, partial_rotary_factor=factor)
+    check_args(md, cfg, source)
     check_inventory(reader, cfg, source)
     return md, cfg
 

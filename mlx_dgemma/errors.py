@@ -18,6 +18,17 @@ class ModelFilesError(DGemmaError):
     """A model directory or file is missing something or is inconsistent."""
 
 
+class ModelArgsError(ModelFilesError):
+    """A field of the model's shape (``mlx_dgemma.schema.ModelArgs``) breaks its rule. ``field``
+    (the ModelArgs field), ``name`` (the field in its source's words: a GGUF key,
+    ``text_config.<field>``) and ``rule`` (what is expected, from the field's ``ArgSpec``) let
+    each front end say it with its file, the value it holds and what to do."""
+
+    def __init__(self, field: str, name: str, rule: str):
+        super().__init__(f"{name}: expected {rule}")
+        self.field, self.name, self.rule = field, name, rule
+
+
 class ParameterError(DGemmaError, ValueError):
     """A parameter value is out of its allowed range. ``param`` (the field name), ``rule`` (what
     is allowed: the registry's text, ``mlx_dgemma.params``) and ``note`` (why, where a rule

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from . import formats
-from .errors import ModelFilesError, ParameterError
-from .params import check_generation_field, is_int, is_number
+from .errors import ModelArgsError, ModelFilesError, ParameterError
+from .params import check_generation_field, is_int
 from .paths import input_problem
-from .schema import SAFETENSORS_DTYPES, ModelArgs, SamplerDefaults
+from .schema import SAFETENSORS_DTYPES, ModelArgs, SamplerDefaults, arg_specs
 from .sidecar import SIDECAR_FILE
 from .tiers import STORED_FORMS, TIERS
 
@@ -36,26 +36,6 @@ def short_repr(v: Any, n: int = 60) -> str:
     """``repr(v)`` cut to ``n`` characters: a value quoted in a one-line error."""
     r = repr(v)
     return r if len(r) <= n else r[: n - 3] + "..."
-
-
-def kind_ok(kind: str, v: Any) -> bool:
-    """``v`` is of ``kind``: "int", "float" (finite), "str", "list" or "int|list" (of ints);
-    :data:`KIND_TEXT` says each in an error. Booleans are not numbers here."""
-    if kind == "int":
-        return is_int(v)
-    if kind == "float":
-        return is_number(v)
-    if kind == "str":
-        return isinstance(v, str)
-    if kind == "list":
-        return isinstance(v, list)
-    if kind == "int|list":
-        return is_int(v) or (isinstance(v, list) and all(is_int(x) for x in v))
-    return False
-
-
-KIND_TEXT = {"int": "an integer", "float": "a finite number", "str": "a string", "list": "an array",
-             "int|list": "an integer or an array of integers (one per layer)"}
 
 
 def check_chat_template(text: str, source: str) -> None:
@@ -125,17 +105,6 @@ def check_tokenizer_data(data: Any, source: str, vocab_size: int | None = None) 
 
 _MAX_ST_HEADER = 100 << 20
 
-# text_config key: (kind, low, high)
-_TEXT_CONFIG = {
-    "hidden_size": ("int", 1, 1 << 20), "intermediate_size": ("int", 1, 1 << 22),
-    "num_hidden_layers": ("int", 1, 512), "num_attention_heads": ("int", 1, 1024),
-    "num_key_value_heads": ("int", 1, 1024), "num_global_key_value_heads": ("int", 1, 1024),
-    "head_dim": ("int", 1, 4096), "global_head_dim": ("int", 1, 4096),
-    "sliding_window": ("int", 1, 1 << 24), "vocab_size": ("int", 1, 1 << 22),
-    "num_experts": ("int", 1, 4096), "top_k_experts": ("int", 1, 4096),
-    "moe_intermediate_size": ("int", 1, 1 << 22), "rms_norm_eps": ("float", 1e-30, 1.0),
-    "max_position_embeddings": ("int", 1, 1 << 24),
-}
 _BITS = {2, 3, 4, 5, 6, 8}
 
 
@@ -183,46 +152,17 @@ def check_config(config: Any, source: str) -> None:
                               "model again")
     if config.get("model_type") != "diffusion_gemma":
         raise ModelFilesError(f"{source}: model_type is {config.get('model_type')!r}, expected 'diffusion_gemma'")
-    for key, low, high in (("canvas_length", 1, 1 << 16), ("mask_token_id", 0, 1 << 22)):
-        v = config.get(key)
-        if v is not None and not (is_int(v) and low <= v <= high):
-            bad(key, f"an integer in [{low}, {high}]", v)
     tc = config.get("text_config")
     if not isinstance(tc, dict):
         bad("text_config", "an object", tc)
-    for key, (kind, low, high) in _TEXT_CONFIG.items():
-        if key not in tc:
-            raise ModelFilesError(f"{source}: text_config.{key} is missing; convert the model again")
-        v = tc[key]
-        if not kind_ok(kind, v) or not low <= v <= high:
-            bad(f"text_config.{key}", f"{KIND_TEXT[kind]} in [{low:g}, {high:g}]", v)
-    n = tc["num_hidden_layers"]
-    lt = tc.get("layer_types")
-    if not isinstance(lt, list) or len(lt) != n or not all(x in ("sliding_attention", "full_attention") for x in lt):
-        bad("text_config.layer_types", f"{n} entries of 'sliding_attention' / 'full_attention'", lt)
-    for key in ("num_key_value_heads", "num_global_key_value_heads"):
-        if tc["num_attention_heads"] % tc[key]:
-            bad(f"text_config.{key}", "a divisor of num_attention_heads", tc[key])
-    if tc["top_k_experts"] > tc["num_experts"]:
-        bad("text_config.top_k_experts", f"at most num_experts = {tc['num_experts']}", tc["top_k_experts"])
-    sc = tc.get("final_logit_softcapping")
-    if sc is not None and not (is_number(sc) and sc > 0):
-        bad("text_config.final_logit_softcapping", "a number > 0 or null", sc)
-    rp = tc.get("rope_parameters")
-    if not isinstance(rp, dict) or set(rp) != {"sliding_attention", "full_attention"} or \
-            not all(isinstance(x, dict) and is_number(x.get("rope_theta")) and x["rope_theta"] > 0
-                    for x in rp.values()):
-        bad("text_config.rope_parameters", "{sliding_attention, full_attention} each with rope_theta > 0", rp)
-    prf = rp["full_attention"].get("partial_rotary_factor", 1.0)
-    if not (is_number(prf) and 0 < prf <= 1):
-        bad("text_config.rope_parameters.full_attention.partial_rotary_factor", "a number in (0, 1]", prf)
-    canvas, ctx = config.get("canvas_length", ModelArgs.canvas_length), tc["max_position_embeddings"]
-    if canvas >= ctx:  # a block needs the canvas and at least one prompt token in the context
-        bad("canvas_length", f"at most {ctx - 1}, below text_config.max_position_embeddings = {ctx} (a canvas and "
-            "its prompt must fit in the context)", canvas)
-    mt = config.get("mask_token_id", ModelArgs.mask_token_id)
-    if mt >= tc["vocab_size"]:
-        bad("mask_token_id", f"a token id below vocab_size = {tc['vocab_size']}", mt)
+    for f, spec in arg_specs().items():  # the model's shape: ModelArgs' fields and their rules
+        if spec.required and f not in tc:
+            raise ModelFilesError(f"{source}: text_config.{f} is missing; convert the model again")
+    args = ModelArgs.from_config(config)
+    try:
+        args.check(ModelArgs.config_name)
+    except ModelArgsError as e:
+        bad(e.name, e.rule, getattr(args, e.field))
     section = config.get("mlx_dgemma", {})  # what the converter wrote: absent in hand-made directories
     if not isinstance(section, dict):
         bad("mlx_dgemma", "an object (written by mlx-dgemma convert)", section)
