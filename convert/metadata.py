@@ -198,7 +198,7 @@ def check_args(md: dict[str, Any], args: ModelArgs, source: str) -> None:
     try:
         args.check(lambda f: specs[f].keys[-1])
     except ModelArgsError as e:
-        shown = md[e.name] if e.name in md else getattr(args, e.field)
+        shown = md[e.name] if e.name in md else e.value
         absent = "" if e.name in md else " (absent: the default)"
         raise ModelFilesError(f"{source}: {e.name} = {short_repr(shown)}{absent}: expected {e.rule}; the file is not "
                               "a valid DiffusionGemma GGUF") from None

@@ -20,13 +20,13 @@ class ModelFilesError(DGemmaError):
 
 class ModelArgsError(ModelFilesError):
     """A field of the model's shape (``mlx_dgemma.schema.ModelArgs``) breaks its rule. ``field``
-    (the ModelArgs field), ``name`` (the field in its source's words: a GGUF key,
-    ``text_config.<field>``) and ``rule`` (what is expected, from the field's ``ArgSpec``) let
-    each front end say it with its file, the value it holds and what to do."""
+    (the ModelArgs field), ``name`` (the field, or the part of it at fault, in its source's words:
+    a GGUF key, ``text_config.<field>``), ``rule`` (what is expected, from the field's ``ArgSpec``)
+    and ``value`` (what it holds) let each front end say it with its file and what to do."""
 
-    def __init__(self, field: str, name: str, rule: str):
+    def __init__(self, field: str, name: str, rule: str, value: object = None):
         super().__init__(f"{name}: expected {rule}")
-        self.field, self.name, self.rule = field, name, rule
+        self.field, self.name, self.rule, self.value = field, name, rule, value
 
 
 class ParameterError(DGemmaError, ValueError):

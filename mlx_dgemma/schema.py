@@ -96,7 +96,10 @@ class ArgSpec:
 
     @property
     def range_text(self) -> str:
-        return f" in [{self.low:g}, {self.high:g}]" if self.low is not None else ""
+        def shown(x: float) -> str:  # integers in full (1048576, not 1.04858e+06)
+            return str(x) if isinstance(x, int) else f"{x:g}"
+
+        return f" in [{shown(self.low)}, {shown(self.high)}]" if self.low is not None else ""
 
     @property
     def rule(self) -> str:
@@ -105,8 +108,7 @@ class ArgSpec:
         if self.kind == "layer_types":
             return "entries of " + " / ".join(map(repr, LAYER_TYPES))
         if self.kind == "rope":
-            return ("{" + ", ".join(LAYER_TYPES) + "} each with rope_theta" + self.range_text +
-                    " (and full_attention's partial_rotary_factor in (0, 1])")
+            return "{" + ", ".join(LAYER_TYPES) + "} each with rope_theta" + self.range_text
         return KIND_TEXT[self.kind] + self.range_text
 
     def ok(self, v: Any) -> bool:
@@ -114,10 +116,8 @@ class ArgSpec:
         if self.kind == "layer_types":
             return isinstance(v, list) and all(isinstance(x, str) and x in LAYER_TYPES for x in v)
         if self.kind == "rope":
-            if not (isinstance(v, dict) and set(v) == set(LAYER_TYPES) and all(isinstance(x, dict) for x in v.values())):
-                return False
-            prf = v["full_attention"].get("partial_rotary_factor", 1.0)
-            return is_number(prf) and 0 < prf <= 1 and all(self.in_range(x.get("rope_theta")) for x in v.values())
+            return isinstance(v, dict) and set(v) == set(LAYER_TYPES) and \
+                all(isinstance(x, dict) and self.in_range(x.get("rope_theta")) for x in v.values())
         return kind_ok(self.kind, v) and (self.low is None or self.low <= v <= self.high)
 
     def in_range(self, v: Any) -> bool:
@@ -219,11 +219,11 @@ class ModelArgs:
         declares them. ``name`` gives a field's name in the source's words (the GGUF key,
         ``text_config.<field>``); a rule names the other field relative to the one at fault
         (``at most num_experts = 8`` beside ``text_config.top_k_experts``). Raises
-        :class:`~mlx_dgemma.errors.ModelArgsError` (field, name, rule) for the first fault."""
+        :class:`~mlx_dgemma.errors.ModelArgsError` (field, name, rule, value) for the first fault."""
         specs = arg_specs()
 
         def fail(f: str, rule: str) -> None:
-            raise ModelArgsError(f, name(f), rule)
+            raise ModelArgsError(f, name(f), rule, getattr(self, f))
 
         def ref(f: str, other: str) -> tuple[str, Any]:
             return _relative(name(other), name(f)), getattr(self, other)
@@ -236,6 +236,11 @@ class ModelArgs:
                     fail(f, f"{n} {spec.rule}")
             elif not spec.ok(v):
                 fail(f, spec.rule)
+            elif spec.kind == "rope":  # the share of global layers' dimensions rotated
+                prf = v["full_attention"].get("partial_rotary_factor", 1.0)
+                if not (is_number(prf) and 0 < prf <= 1):
+                    raise ModelArgsError(f, name(f) + ".full_attention.partial_rotary_factor", "a number in (0, 1]",
+                                         prf)
         for f, spec in specs.items():
             v, why = getattr(self, f), f" ({spec.why})" if spec.why else ""
             if spec.divides:

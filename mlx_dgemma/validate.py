@@ -158,11 +158,10 @@ def check_config(config: Any, source: str) -> None:
     for f, spec in arg_specs().items():  # the model's shape: ModelArgs' fields and their rules
         if spec.required and f not in tc:
             raise ModelFilesError(f"{source}: text_config.{f} is missing; convert the model again")
-    args = ModelArgs.from_config(config)
     try:
-        args.check(ModelArgs.config_name)
+        ModelArgs.from_config(config).check(ModelArgs.config_name)
     except ModelArgsError as e:
-        bad(e.name, e.rule, getattr(args, e.field))
+        bad(e.name, e.rule, e.value)
     section = config.get("mlx_dgemma", {})  # what the converter wrote: absent in hand-made directories
     if not isinstance(section, dict):
         bad("mlx_dgemma", "an object (written by mlx-dgemma convert)", section)

@@ -78,9 +78,23 @@ def test_the_rules_between_fields_name_each_sources_keys(tmp_path, config):
         config_error(config, num_key_value_heads=3)
     assert "text_config.eos_token_id = 512: expected at most 511, below vocab_size = 512 (a token id" \
         in config_error(config, eos_token_id=512)
+    absent = gguf_error(tmp_path, **{P + "context_length": 100, "diffusion.canvas_length": None})
     assert "diffusion.canvas_length = 256 (absent: the default): expected at most 99, below " \
-           "diffusion-gemma.context_length = 100 (a canvas" in gguf_error(tmp_path, **{P + "context_length": 100,
-                                                                                        "diffusion.canvas_length": None})
+           "diffusion-gemma.context_length = 100 (a canvas" in absent
+
+
+def test_a_value_inside_a_field_is_named_by_its_path(config):
+    cfg = copy.deepcopy(config)
+    cfg["text_config"]["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 2
+    with pytest.raises(ModelFilesError, match=r"^m/config.json: text_config\.rope_parameters\.full_attention\."
+                                              r"partial_rotary_factor = 2: expected a number in \(0, 1\]; "):
+        check_config(cfg, "m/config.json")
+
+
+def test_a_null_softcap_is_refused_before_the_model_divides_by_it(config):
+    # before: "a number > 0 or null" passed null, and the output head computed x / None
+    assert "text_config.final_logit_softcapping = None: expected a finite number" in config_error(
+        config, final_logit_softcapping=None)
 
 
 def test_check_names_the_field_and_takes_the_sources_names(config):
@@ -89,7 +103,8 @@ def test_check_names_the_field_and_takes_the_sources_names(config):
     bad = ModelArgs.from_config({**config, "text_config": {**config["text_config"], "num_experts": 1}})
     with pytest.raises(ModelArgsError) as e:
         bad.check(lambda f: f"<{f}>")
-    assert (e.value.field, e.value.name, e.value.rule) == ("top_k_experts", "<top_k_experts>", "at most <num_experts> = 1")
+    assert (e.value.field, e.value.name, e.value.rule, e.value.value) == \
+        ("top_k_experts", "<top_k_experts>", "at most <num_experts> = 1", 2)
 
 
 def test_a_mistyped_declaration_fails_at_once():
