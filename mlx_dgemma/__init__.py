@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ._version import __version__
 
-_EVENTS = ("StepEvent", "BlockEvent", "DoneEvent", "PrefillEvent", "PrefillProgressEvent", "Event")
+_EVENTS = ("StepEvent", "BlockEvent", "DoneEvent", "PrefillEvent", "PrefillProgressEvent", "Event", "Stats")
 
 __all__ = ["load", "load_demo", "generate", "stream_generate", "ChatSession", "Runtime", "GenerationRequest",
            *_EVENTS, "__version__"]

@@ -19,7 +19,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,6 +29,9 @@ from . import errors
 from .errors import DGemmaError, ModelFilesError, ParameterError
 from .launch import launched, launched_rank  # noqa: F401 (launched_rank re-exported)
 from .schema import SAFETENSORS_DTYPES
+
+if TYPE_CHECKING:
+    from .acceptance import Acceptance
 
 Range = tuple[int, int]
 
@@ -237,17 +240,19 @@ def global_argmax(x: mx.array, lo: int, group: mx.distributed.Group) -> mx.array
     return mx.take_along_axis(g[:, 1], r[None], axis=0)[0].astype(mx.int32)
 
 
-def sharded_sample_step(local: mx.array, temp: float | mx.array, bound: float, vocab_size: int, key: mx.array,
-                        lo: int, group: mx.distributed.Group,
-                        fixed: tuple[mx.array, mx.array] | None = None) -> dict[str, mx.array]:
-    """``sampler.sample_step`` with the logits' vocabulary split across ranks (``fixed``: a
-    canvas template's positions, held as there).
+def sharded_sample_step(local: mx.array, temp: float | mx.array, acceptance: Acceptance, vocab_size: int,
+                        key: mx.array, lo: int, group: mx.distributed.Group,
+                        fixed: tuple[mx.array, mx.array] | None = None,
+                        revealed: mx.array | None = None) -> dict[str, mx.array]:
+    """``sampler.sample_step`` with the logits' vocabulary split across ranks (``acceptance``: a mode
+    that runs so, :attr:`~mlx_dgemma.acceptance.Acceptance.sharded`; ``fixed``: a canvas template's
+    positions, held as there; ``revealed``: the block's revealed canvas, given to the mode).
 
     ``local`` holds ids ``lo .. lo + local.shape[-1]``. The draw uses the same Gumbel noise as
     ``mx.random.categorical`` on the full logits (each rank generates it whole and keeps its
     columns), so it picks the same token as one process given the same logits.
     """
-    from .sampler import accept_mask, fixed_logits
+    from .sampler import fixed_logits, initial_revealed
 
     k_draw, k_noise = mx.random.split(key)
     processed = local / temp
@@ -260,14 +265,15 @@ def sharded_sample_step(local: mx.array, temp: float | mx.array, bound: float, v
     p = mx.exp(logp)
     entropy = -mx.distributed.all_sum(mx.sum(mx.where(p > 0, p * logp, 0.0), axis=-1), group=group)
     if fixed is not None:
-        draw, argmax = mx.where(fixed[0], fixed[1], draw), mx.where(fixed[0], fixed[1], argmax)
+        argmax = mx.where(fixed[0], fixed[1], argmax)
         entropy = mx.where(fixed[0], 0.0, entropy)
-        processed = fixed_logits(processed, *fixed, lo=lo)
-    accepted = accept_mask(entropy, bound)
     noise = mx.random.randint(0, vocab_size, draw.shape, key=k_noise)
-    canvas = mx.where(accepted, draw, noise)
+    revealed = revealed if revealed is not None else initial_revealed(draw.shape)
+    accepted, canvas, revealed = acceptance.select(processed, argmax, entropy, lambda: draw, noise, revealed, fixed)
+    if fixed is not None:
+        processed = fixed_logits(processed, *fixed, lo=lo)
     return {"processed": processed, "argmax": argmax, "entropy": entropy, "accepted": accepted,
-            "canvas": canvas.astype(mx.int32)}
+            "canvas": canvas.astype(mx.int32), "revealed": revealed}
 
 
 def all_finite(x: mx.array, group: mx.distributed.Group | None) -> mx.array:

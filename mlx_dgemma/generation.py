@@ -24,7 +24,7 @@ from .canvas import CanvasTemplate
 from .chat_template import ParsedAnswer, parse_answer, render_chat
 from .distributed import agree
 from .errors import MemoryBudgetError, NonFiniteError, ParameterError
-from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, StepEvent
+from .events import BlockEvent, DoneEvent, Event, PrefillEvent, PrefillProgressEvent, Stats, StepEvent
 from .gpu import memory_errors, wired_limit
 from .guards import duplicate_cut, empty_answer, loop_start, unconverged
 from .memory import check_fits, estimate, peak_memory_bytes, reset_peak_memory
@@ -349,22 +349,16 @@ def _answer(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
                     yield PrefillProgressEvent(tokens_done=start + done, tokens_total=len(ids),
                                                seconds=time.perf_counter() - t0)
                 if start + done < len(ids) and cancel is not None and cancel():
-                    yield DoneEvent(text="", thinking="", tokens=(), finish_reason="cancelled",
-                                    prompt_tokens=len(ids), prefill_seconds=time.perf_counter() - t0,
-                                    prefill_tokens_per_second=0.0, steps=0, steps_per_block=(), seconds_per_step=0.0,
-                                    tokens_per_forward=0.0, generation_seconds=0.0,
-                                    peak_memory_bytes=peak_memory_bytes())
+                    yield DoneEvent.cancelled(len(ids), time.perf_counter() - t0, peak_memory_bytes())
                     return
         if start == 0 and checkpoint is not None:
             checkpoint[1]()
-    prefill_s = time.perf_counter() - t0
-    yield PrefillEvent(tokens=len(ids), seconds=prefill_s)
+    stats = Stats(pad_id=p.pad_token_id)  # the DoneEvent's figures, folded from the events below
+    prefilled = PrefillEvent(tokens=len(ids), seconds=time.perf_counter() - t0)
+    stats.add(prefilled)
+    yield prefilled
     out: list[int] = []
-    steps_per_block: list[int] = []  # the blocks of the answer (not one the commit guard dropped)
-    step_seconds = 0.0
-    steps = 0  # every decoder pass, a cancelled block's included
     reason = "length"
-    t_gen = time.perf_counter()
     step_fn = runtime.step(p, dtype)  # traced once per runtime, reused by every block and answer
     for b in range(n_blocks):
         key, sub = mx.random.split(key)
@@ -373,9 +367,7 @@ def _answer(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
         attempt, rerolled, empty_left = 0, False, p.empty_rerolls if b == 0 else 0
         while True:
             attempt += 1
-            result, last, tally = yield from _attempt(step_fn, cache, p, sub, b + 1, attempt, cancel, logprobs, fixed)
-            steps += tally[0]
-            step_seconds += tally[1]
+            result, last = yield from _attempt(step_fn, cache, p, sub, b + 1, attempt, cancel, logprobs, stats, fixed)
             if result is None:
                 reason = "cancelled"
                 break
@@ -403,7 +395,6 @@ def _answer(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
             loop = loop_start(result.tokens, p.eos_token_id, p.repetition_trim, pad_id=p.pad_token_id)
             if loop is not None:  # TensorSharp's trim: the loop and all after it go, the answer ends
                 block, finished, end = result.tokens[:loop], True, "repetition"
-            steps_per_block.append(result.steps)
         if (finished or b + 1 == n_blocks) and p.duplicate_drop:  # the answer ends with this block
             keep = duplicate_cut(out + block, lambda ids: parse_answer(tokenizer.decode(list(ids)), strip=strip).answer,
                                  start=len(out), min_chars=p.duplicate_drop)
@@ -417,43 +408,39 @@ def _answer(runtime: Runtime, cache: KVCache, ids: list[int], p: SamplerParams,
             n = next((i + 1 for i, t in enumerate(block) if t in p.eos_token_id), len(block)) if finished \
                 else len(block)
             lp = dict(zip(("logprobs", "top_ids", "top_logprobs"), (_frozen(a[:n]) for a in result.logprobs)))
-        yield BlockEvent(block=b + 1, tokens=tuple(block), steps=result.steps, finished=finished, text=parsed.answer,
-                         thinking=parsed.thinking, raw_text=raw, end=end, **lp)
+        committed = BlockEvent(block=b + 1, tokens=tuple(block), steps=result.steps, finished=finished,
+                               text=parsed.answer, thinking=parsed.thinking, raw_text=raw, end=end, **lp)
+        stats.add(committed)
+        yield committed
         last_block = finished or b + 1 == n_blocks
         if not last_block:  # commit the block through the encoder: the next block's canvas reads it
             model.prefill(mx.array([block], dtype=mx.int32), cache, dtype=dtype)
         if finished:
             reason = end or "eos"
             break
-    valid = sum(1 for t in out if t != p.pad_token_id)
     parsed: ParsedAnswer = parse_answer(tokenizer.decode(out), strip=strip)
-    yield DoneEvent(text=parsed.answer, thinking=parsed.thinking, tokens=tuple(out), finish_reason=reason,
-                    prompt_tokens=len(ids), prefill_seconds=prefill_s,
-                    prefill_tokens_per_second=len(ids) / prefill_s if prefill_s > 0 else 0.0, steps=steps,
-                    steps_per_block=tuple(steps_per_block), seconds_per_step=step_seconds / steps if steps else 0.0,
-                    tokens_per_forward=valid / steps if steps else 0.0, generation_seconds=time.perf_counter() - t_gen,
-                    peak_memory_bytes=peak_memory_bytes(), precision=runtime.precision.label)
+    yield stats.done(parsed.answer, parsed.thinking, tuple(out), reason, peak_memory_bytes(), runtime.precision.label)
 
 
 def _attempt(step_fn: StepFunction, cache: KVCache, p: SamplerParams, key: mx.array, block: int, attempt: int,
-             cancel: Callable[[], bool] | None, logprobs: int | None, fixed: list[tuple[int, int]] | None = None
-             ) -> Generator[StepEvent, None, tuple[BlockResult | None, StepEvent | None, tuple[int, float]]]:
+             cancel: Callable[[], bool] | None, logprobs: int | None, stats: Stats,
+             fixed: list[tuple[int, int]] | None = None
+             ) -> Generator[StepEvent, None, tuple[BlockResult | None, StepEvent | None]]:
     """One denoising of block ``block``: yields its StepEvents (``attempt`` > 1: a guard's
-    re-roll), returns (its BlockResult, None if ``cancel`` stopped it; its last StepEvent;
-    (decoder passes, their seconds))."""
+    re-roll), each folded into ``stats``; returns (its BlockResult, None if ``cancel`` stopped
+    it; its last StepEvent)."""
     last: StepEvent | None = None
-    n, seconds = 0, 0.0
     for ev in denoise_block(step_fn, cache, p, key, block=block, logprobs=logprobs, fixed=fixed):
         if isinstance(ev, BlockResult):
-            return ev, last, (n, seconds)
+            return ev, last
         if attempt > 1:
             ev = replace(ev, attempt=attempt)
         last = ev
-        n, seconds = n + 1, seconds + ev.seconds
+        stats.add(ev)
         yield ev
         if cancel is not None and cancel():
             break
-    return None, last, (n, seconds)
+    return None, last
 
 
 def generate(runtime: Runtime, prompt: str | list[dict[str, str]] | list[int], *mlx_lm_args: Any,

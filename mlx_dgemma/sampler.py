@@ -1,9 +1,6 @@
-"""The reference sampler, on the device: linear temperature schedule, EntropyBound acceptance
-with renoising, StableAndConfident stopping (``generation_diffusion_gemma.py``).
-
-Opt-in instead of EntropyBound (``accept_probability``): mlx-vlm's default confidence-threshold
-acceptance, where a position whose top probability reaches the threshold is revealed with its
-argmax and kept for the rest of the block, and the block stops once every position is revealed.
+"""The reference sampler, on the device: linear temperature schedule, one step's draws and
+entropies (the acceptance mode, EntropyBound by default, is :mod:`mlx_dgemma.acceptance`'s),
+StableAndConfident stopping (``generation_diffusion_gemma.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +11,8 @@ from typing import Any
 import mlx.core as mx
 
 from . import params as registry
+from .acceptance import Acceptance, acceptance_of
+from .acceptance import accept_mask, confidence_reveal  # noqa: F401 (their home moved; the names stay here)
 from .errors import ParameterError
 from .schema import SamplerDefaults
 from .params import check_generation_field as check_field
@@ -52,14 +51,16 @@ class SamplerParams(SamplerDefaults):
 
     def validate(self, given: Any = (), defaults: dict[str, Any] | None = None) -> None:
         """Check every field (types, finite ranges), then the rules between them
-        (``mlx_dgemma.params.ORDERS``); ParameterError names the field. ``given``: the fields a
-        caller set (the error names one of them); ``defaults``: the values before its overrides,
-        quoted in the error (the model's own, not the reference's: the demo's are 0.05 and 0.25)."""
+        (``mlx_dgemma.params.ORDERS``; one acceptance mode at most, :func:`acceptance_of`);
+        ParameterError names the field. ``given``: the fields a caller set (the error names one of
+        them); ``defaults``: the values before its overrides, quoted in the error (the model's own,
+        not the reference's: the demo's are 0.05 and 0.25)."""
         for f in fields(self):
             check_field(f.name, getattr(self, f.name))
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         registry.check_orders(values, given, {**values_of(SamplerDefaults()), **defaults} if defaults is not None
                               else None)
+        acceptance_of(self)  # at most one acceptance mode selected
 
     def check_model(self, vocab_size: int) -> None:
         """Checks that need the model: ``sc_top_k`` at most the vocabulary."""
@@ -104,33 +105,6 @@ def token_entropy(logits: mx.array) -> mx.array:
     return -mx.sum(mx.where(p > 0, p * logp, 0.0), axis=-1)
 
 
-def accept_mask(entropy: mx.array, bound: float) -> mx.array:
-    """EntropyBound: accept the lowest-entropy positions while sum - max <= bound."""
-    order = mx.argsort(entropy, axis=-1)
-    sorted_e = mx.take_along_axis(entropy, order, axis=-1)
-    selected = (mx.cumsum(sorted_e, axis=-1) - sorted_e) <= bound
-    inverse = mx.argsort(order, axis=-1)
-    return mx.take_along_axis(selected, inverse, axis=-1)
-
-
-def confidence_reveal(processed: mx.array, argmax: mx.array, revealed: mx.array, threshold: float) -> mx.array:
-    """Confidence-threshold acceptance (mlx-vlm's ``_diffusion_confidence_transfer_mask``):
-    the new revealed canvas [B, C] (-1 where still hidden).
-
-    A hidden position is revealed with its argmax when its top probability (of the
-    temperature-scaled logits) is at least ``threshold``; when none qualifies, the most
-    confident hidden position is revealed, so every step reveals at least one. Revealed
-    positions keep their token for the rest of the block.
-    """
-    top = mx.exp(mx.max(processed, axis=-1) - mx.logsumexp(processed, axis=-1))  # p(argmax) [B, C]
-    hidden = revealed < 0
-    want = hidden & (top >= threshold)
-    force = mx.any(hidden, axis=-1, keepdims=True) & ~mx.any(want, axis=-1, keepdims=True)
-    best = mx.argmax(mx.where(hidden, top, -1.0), axis=-1, keepdims=True)
-    forced = (mx.arange(top.shape[-1])[None, :] == best) & force
-    return mx.where(want | forced, argmax, revealed)
-
-
 def fixed_logits(processed: mx.array, mask: mx.array, tokens: mx.array, lo: int = 0) -> mx.array:
     """``processed`` (logits [B, C, V'], V' ids from ``lo``) with each fixed position (``mask``)
     one-hot on its token: the next step's self-conditioning reads the given token there, as
@@ -143,21 +117,23 @@ def fixed_logits(processed: mx.array, mask: mx.array, tokens: mx.array, lo: int 
 def sample_step(raw_logits: mx.array, temp: float | mx.array, bound: float, vocab_size: int,
                 key: mx.array, accept_probability: float | None = None,
                 revealed: mx.array | None = None,
-                fixed: tuple[mx.array, mx.array] | None = None) -> dict[str, mx.array]:
+                fixed: tuple[mx.array, mx.array] | None = None,
+                acceptance: Acceptance | None = None) -> dict[str, mx.array]:
     """One step of the sampler on the decoder's logits [B, C, V].
 
     Returns processed logits (the next self-conditioning input), the argmax canvas, the
     per-position entropy, the accepted mask, the next canvas and the revealed canvas.
-    EntropyBound (``accept_probability`` None): accepted positions take the multinomial
-    draw, the rest fresh uniform tokens; ``revealed`` passes through. Confidence threshold:
-    see :func:`confidence_reveal`; revealed positions keep their token, the rest are
-    renoised, and ``accepted`` marks every revealed position.
+    ``acceptance`` (:mod:`mlx_dgemma.acceptance`) picks the accepted positions and the next
+    canvas; None: the mode ``bound`` and ``accept_probability`` select (EntropyBound, or the
+    confidence threshold when ``accept_probability`` is given).
 
     ``fixed`` (mask [B, C], tokens [B, C]; a canvas template, :mod:`mlx_dgemma.canvas`): those
     positions hold their token in the canvas and the argmax, are accepted with zero entropy
     (they use none of the EntropyBound budget and count as confident for stopping) and are
     one-hot in the processed logits. None (the default) adds nothing to the graph.
     """
+    if acceptance is None:
+        acceptance = acceptance_of(SamplerParams(entropy_bound=bound, accept_probability=accept_probability))
     k_draw, k_noise = mx.random.split(key)
     processed = raw_logits / temp
     argmax = mx.argmax(processed, axis=-1).astype(mx.int32)
@@ -169,18 +145,9 @@ def sample_step(raw_logits: mx.array, temp: float | mx.array, bound: float, voca
         mask, tokens = fixed
         argmax = mx.where(mask, tokens, argmax)
         entropy = mx.where(mask, 0.0, entropy)
-    if accept_probability is None:
-        draw = mx.random.categorical(processed, axis=-1, key=k_draw)
-        if fixed is not None:
-            draw = mx.where(fixed[0], fixed[1], draw)
-        accepted = accept_mask(entropy, bound)
-        canvas = mx.where(accepted, draw, noise)
-    else:
-        if fixed is not None:
-            revealed = mx.where(fixed[0], fixed[1], revealed)
-        revealed = confidence_reveal(processed, argmax, revealed, accept_probability)
-        accepted = revealed >= 0
-        canvas = mx.where(accepted, revealed, noise)
+    accepted, canvas, revealed = acceptance.select(
+        processed, argmax, entropy, lambda x=processed: mx.random.categorical(x, axis=-1, key=k_draw), noise,
+        revealed, fixed)
     if fixed is not None:
         processed = fixed_logits(processed, *fixed)
     return {"processed": processed, "argmax": argmax, "entropy": entropy, "accepted": accepted,

@@ -12,24 +12,25 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .acceptance import acceptance_of, traced_fields
 from .cache import KVCache
-from .distributed import all_finite, sharded_sample_step
-from .errors import ParameterError
+from .distributed import all_finite, sharded_sample_step, size_of
 from .model import DiffusionGemma
 from .sampler import SamplerParams, initial_history, initial_revealed, sample_step, stop_update
 
 OUTPUTS = ("canvas", "argmax", "accepted", "entropy", "processed", "stop", "history", "finite", "revealed")
 
-# The sampler fields the traced graph bakes in as constants; the others (steps, temperatures,
-# seed, token budget) are inputs or loop bounds, so two requests differing only in them can
-# share one trace.
-TRACED_FIELDS = ("entropy_bound", "stability_threshold", "confidence_threshold", "sc_top_k", "accept_probability")
+# The sampler fields the traced graph bakes in as constants besides the acceptance mode's own
+# (mlx_dgemma.acceptance: each mode declares them); the others (steps, temperatures, seed, token
+# budget) are inputs or loop bounds, so two requests differing only in them can share one trace.
+TRACED_FIELDS = ("stability_threshold", "confidence_threshold", "sc_top_k")
 
 
 def step_key(params: SamplerParams, dtype: mx.Dtype) -> tuple:
     """What a traced step depends on: two requests with the same key can share one trace
-    (:meth:`mlx_dgemma.runtime.Runtime.step` keeps one StepFunction per key)."""
-    return tuple(getattr(params, f) for f in TRACED_FIELDS), str(dtype)
+    (:meth:`mlx_dgemma.runtime.Runtime.step` keeps one StepFunction per key). The modes' fields are
+    read when asked: a mode registered after this module's import keys the trace too."""
+    return tuple(getattr(params, f) for f in (*TRACED_FIELDS, *traced_fields())), str(dtype)
 
 
 def effective_sc_top_k(params: SamplerParams, vocab_size: int, precision_sc_top_k: int | None) -> int | None:
@@ -42,7 +43,8 @@ def effective_sc_top_k(params: SamplerParams, vocab_size: int, precision_sc_top_
 
 class StepFunction:
     """``step(canvas, sc_logits | None, temperature, key, history, cache, revealed=None) -> dict`` of
-    OUTPUTS (``revealed``: the confidence-threshold mode's revealed canvas, -1 where hidden).
+    OUTPUTS (``revealed``: the block's revealed canvas, -1 where hidden, for an acceptance mode
+    that keeps positions: the confidence threshold's; ``acceptance``: the mode, chosen once).
 
     ``dtype``: the activations' (default: the model's own ``activation_dtype``, set by its runtime
     precision: a fast model stepped in float32 ran 4x slower on a GPU, float32 activations against
@@ -53,9 +55,8 @@ class StepFunction:
     def __init__(self, model: DiffusionGemma, params: SamplerParams, dtype: mx.Dtype | None = None,
                  compile: bool = True, precision_sc_top_k: int | None = None):
         params.check_model(model.args.vocab_size)
-        if params.accept_probability is not None and model.group is not None:
-            raise ParameterError("accept_probability: the confidence-threshold mode runs in one process; leave it "
-                                 "out under mlx.launch (EntropyBound, the default, runs across ranks)")
+        # the acceptance mode, chosen once (refused under mlx.launch where it runs in one process only)
+        self.acceptance = acceptance_of(params, size_of(model.group))
         self.model, self.params = model, params
         self.sc_top_k = effective_sc_top_k(params, model.args.vocab_size, precision_sc_top_k)
         self.dtype = dtype or model.activation_dtype  # the runtime precision's activations
@@ -72,7 +73,7 @@ class StepFunction:
 
     def _body(self, with_sc: bool, with_fixed: bool = False) -> Callable:
         model, p, dtype = self.model, self.params, self.dtype
-        sc_top_k = self.sc_top_k
+        sc_top_k, acceptance = self.sc_top_k, self.acceptance
 
         def body(canvas, sc, temp, key, history, revealed, offset, *state):
             if with_fixed:  # the template's mask and tokens come first among the cache arrays
@@ -83,16 +84,15 @@ class StepFunction:
             logits = model.denoise(canvas, cache, sc if with_sc else None, dtype=dtype, sc_top_k=sc_top_k)
             group = model.group
             if group is None:
-                out = sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key, p.accept_probability,
-                                  revealed, fixed)
+                out = sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key, revealed=revealed,
+                                  fixed=fixed, acceptance=acceptance)
             else:  # logits hold this rank's vocabulary: the sampler's reductions go across ranks
-                # (EntropyBound only: the constructor refuses accept_probability on several ranks)
-                out = {**sharded_sample_step(logits, temp, p.entropy_bound, model.args.vocab_size, key,
-                                             model.vocab[0], group, fixed), "revealed": revealed}
+                # (a mode that runs across ranks only: the constructor refuses the others)
+                out = sharded_sample_step(logits, temp, acceptance, model.args.vocab_size, key, model.vocab[0],
+                                          group, fixed, revealed)
             stop, new_history = stop_update(history, out["argmax"], out["entropy"], p.stability_threshold,
                                             p.confidence_threshold)
-            if p.accept_probability is not None:  # confidence threshold: done once every position is revealed
-                stop = stop | mx.all(out["accepted"], axis=-1)
+            stop = acceptance.stop(stop, out["accepted"])  # a mode's own end of the block
             # one flag in the same graph (no extra sync): NaN/Inf logits become an error, not a blank answer
             finite = mx.all(mx.isfinite(logits)) if group is None else all_finite(logits, group)
             return (out["canvas"], out["argmax"], out["accepted"], out["entropy"], out["processed"], stop,

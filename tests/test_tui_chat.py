@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from mlx_dgemma.events import Stats
 from mlx_dgemma.tui.app import DGemmaApp
 from mlx_dgemma.tui.engine import ModelBackend
 from mlx_dgemma.tui.widgets.canvas import CanvasView
@@ -121,10 +122,10 @@ async def test_a_new_chat_in_replay_leaves_nothing_of_the_last_answer():
         await ask(pilot, backend)
         await pilot.press("ctrl+b")  # replaying the last answer
         s = screen(app)
-        assert s.cursor is not None and s._prefill_tps
+        assert s.cursor is not None and s._stats.prefill_tokens_per_second and s._stats.steps
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: backend.resets == 1)
-        assert s.cursor is None and s._last_done is None and s._prefill_tps is None and s._step_seconds == []
+        assert s.cursor is None and s._last_done is None and s._stats == Stats()  # no figure of the last answer
         assert s.query_one(CanvasView).event is None and s.query_one("#chart").entropy == []
         assert status_row(app).strip() == "new chat" and s.turn == 0
         await send(pilot, "again")  # the next answer is live from its first step

@@ -269,9 +269,6 @@ class ChatEngine:
         never runs, but the screen still hears that it ended, so it does not stay "answering"."""
         if self.host.stopping or not self.loaded:
             return  # quitting, or the load failed: the chat screen is gone
-        done = DoneEvent(text="", thinking="", tokens=(), finish_reason="cancelled", prompt_tokens=0,
-                         prefill_seconds=0.0, prefill_tokens_per_second=0.0, steps=0, steps_per_block=(),
-                         seconds_per_step=0.0, tokens_per_forward=0.0, generation_seconds=0.0,
-                         peak_memory_bytes=self.host.sample_memory(), precision=self.host.info.precision)
+        done = DoneEvent.cancelled(peak_memory_bytes=self.host.sample_memory(), precision=self.host.info.precision)
         self._post(EngineEvent(done, answer_id))
         self._post(EngineStatus("ready"))

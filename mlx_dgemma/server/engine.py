@@ -538,14 +538,14 @@ class Engine(Shaping):
 
         for ev in events:
             if isinstance(ev, StepEvent):
-                clock.step(ev.seconds)
+                clock.add(ev)
                 last_step = ev
                 if job.stream_steps and final:
                     job.emit("step", step_payload(self.tokenizer, ev))
             elif isinstance(ev, BlockEvent):
                 last_step = None
                 blocks += 1
-                clock.block(ev.steps)
+                clock.add(ev)
                 add(ev.tokens, ev.text, ev.thinking, (ev.logprobs, ev.top_ids, ev.top_logprobs), ev.end)
                 if first_block and blocks == 1:
                     job.stats["first_block_s"] = round(time.perf_counter() - job.submitted_at, 4)
@@ -566,7 +566,7 @@ class Engine(Shaping):
                     yield  # the block boundary: the other requests' turn
             elif isinstance(ev, PrefillEvent):
                 prefill = ev.tokens
-                clock.prefilled(ev.seconds)
+                clock.add(ev)
                 job.stats.update(prefill=ev.tokens, prefill_s=round(ev.seconds, 4))
             elif isinstance(ev, PrefillProgressEvent):
                 yield  # a long prompt's chunks are turns too
@@ -577,7 +577,7 @@ class Engine(Shaping):
         self.totals["steps"] += clock.steps
         job.stats["steps"] = job.stats.get("steps", 0) + clock.steps
         if clock.steps:
-            job.stats.update(s_per_step=round(clock.step_seconds / clock.steps, 4),
+            job.stats.update(s_per_step=round(clock.seconds_per_step, 4),
                              tok_per_fwd=round(answer.completion_tokens / clock.steps, 2))
         if result is None and job.stats.get("timeout") and not job.cancel.is_set():
             # --max-request-seconds: what is committed, and the block in progress as its latest

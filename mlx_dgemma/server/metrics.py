@@ -1,13 +1,14 @@
 """What the server measures, and /metrics' text: one answer's clock (:class:`Timings`: the
 answer's llama.cpp ``timings``, read also by the request's log line and the counters), the
-latency histograms and Prometheus' text format. Standard library only; the engine updates them
-on the worker thread."""
+latency histograms and Prometheus' text format. Standard library and the events only; the engine
+updates them on the worker thread."""
 
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
+
+from mlx_dgemma.events import Stats
 
 # /metrics' latency buckets (seconds), from an answer in a block to a request that waits minutes
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -40,34 +41,21 @@ class Histogram:
         return out + [f"{name}_sum {round(self.sum, 6)}", f"{name}_count {total}"]
 
 
-class Timings:
-    """One answer's clock, from its events: llama.cpp's ``timings`` (prompt_n, prompt_ms,
-    predicted_n, predicted_ms and their rates) with the ``diffusion`` part its DiffusionGemma
-    server adds (blocks, steps, canvas tokens, ms per step, canvas tokens per second)."""
+class Timings(Stats):
+    """One answer's clock, from its events (:meth:`~mlx_dgemma.events.Stats.add`): llama.cpp's
+    ``timings`` (prompt_n, prompt_ms, predicted_n, predicted_ms and their rates) with the
+    ``diffusion`` part its DiffusionGemma server adds (blocks, steps, canvas tokens, ms per step,
+    canvas tokens per second), from the figures the core's DoneEvent reports too."""
 
     def __init__(self, canvas: int):
+        super().__init__()
         self.canvas = canvas
-        self.prefill_s = 0.0
-        self.t_gen: float | None = None  # when the prompt was encoded (generation starts)
-        self.steps = 0
-        self.step_seconds = 0.0
-        self.steps_per_block: list[int] = []
-
-    def prefilled(self, seconds: float) -> None:
-        self.prefill_s, self.t_gen = seconds, time.perf_counter()
-
-    def step(self, seconds: float) -> None:
-        self.steps += 1
-        self.step_seconds += seconds
-
-    def block(self, steps: int) -> None:
-        self.steps_per_block.append(steps)
 
     def timings(self, cached: int, prompt_n: int, predicted_n: int) -> dict[str, Any]:
         """The ``timings`` object: ``prompt_n`` tokens encoded (``cache_n`` taken from the cache),
         ``predicted_n`` answer tokens (usage's completion_tokens) from the prompt's end to now."""
-        prompt_ms = 1000 * self.prefill_s
-        predicted_ms = 1000 * (time.perf_counter() - self.t_gen) if self.t_gen is not None else 0.0
+        prompt_ms = 1000 * self.prefill_seconds
+        predicted_ms = 1000 * self.generation_seconds
 
         def per_token(ms: float, n: int) -> float | None:
             return round(ms / n, 3) if n else None

@@ -14,7 +14,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input
 
 from mlx_dgemma.errors import DGemmaError
-from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent, PrefillProgressEvent, StepEvent
+from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillProgressEvent, Stats, StepEvent
 from mlx_dgemma.host import ModelInfo
 from mlx_dgemma.request import GenerationRequest
 from mlx_dgemma.trace import Trace, settings_in_effect, trace_header
@@ -67,8 +67,7 @@ class ChatScreen(Screen):
         self.turn = 0  # user messages in this chat
         self._sent = ""  # the last message sent
         self._pending: StepEvent | None = None
-        self._prefill_tps: float | None = None
-        self._step_seconds: list[float] = []
+        self._stats = Stats()  # the answer's figures so far (the status line's speeds)
         self._blocks_planned = 1
         self._last_done: DoneEvent | None = None
 
@@ -149,14 +148,12 @@ class ChatScreen(Screen):
         if m.answer_id != self.answer_id or self.app.stopping:
             return  # a late event of an answer the user has left, or the app is quitting
         ev = m.event
+        self._stats.add(ev)
         if isinstance(ev, PrefillProgressEvent):  # a long prompt: chunks done so far; Escape stops between chunks
             self.query_one(StatusLine).update(f"prefill {ev.tokens_done:,}/{ev.tokens_total:,} tokens "
                                               f"({ev.seconds:.0f} s)  escape: cancel")
-        elif isinstance(ev, PrefillEvent):
-            self._prefill_tps = ev.tokens / ev.seconds if ev.seconds > 0 else None
         elif isinstance(ev, StepEvent):
             self.trace.add(ev)
-            self._step_seconds.append(ev.seconds)
             self._pending = ev  # drawn by the timer: steps are coalesced, not each redrawn
         elif isinstance(ev, BlockEvent) and self.answer is not None:
             self.answer.set_text(ev.text, ev.thinking)
@@ -187,14 +184,14 @@ class ChatScreen(Screen):
             f"canvas: block {ev.block}, step {ev.step}/{ev.max_steps}{live}")
         self.query_one(CanvasView).show(ev, earlier)
         self.query_one(EntropyChart).set_block(steps, ev.canvas.size, index)
-        spf = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0
+        spf = self._stats.seconds_per_step
         done = self._last_done
         tpf = done.tokens_per_forward if done and done.tokens_per_forward > 0 else None  # none if no block was committed
         engine, info = self.app.engine, self.info
         # the memory as the worker sampled it (the UI thread never calls MLX); the facts both front ends show
         self.query_one(StatusLine).show_step(
             ev, max(self._blocks_planned, len(self.trace.blocks)), spf,
-            tpf, self._prefill_tps, engine.memory_bytes if engine is not None else 0,
+            tpf, self._stats.prefill_tokens_per_second or None, engine.memory_bytes if engine is not None else 0,
             "replay ^b/^f" if self.cursor is not None else "",
             facts=info.shown_words() if info is not None else ())
 
@@ -246,8 +243,7 @@ class ChatScreen(Screen):
         self.cursor = None
         self._pending = None
         self._last_done = None
-        self._prefill_tps = None
-        self._step_seconds.clear()
+        self._stats = Stats()
         self.query_one(CanvasView).clear()
 
     def _trace_header(self, prompt: str, request: GenerationRequest) -> dict:
