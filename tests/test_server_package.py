@@ -6,6 +6,7 @@ function-level imports included."""
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +144,53 @@ def test_validation_errors_keep_the_bodies_of_the_single_module_server():
         r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json() == {"error": {"message": message, "type": "invalid_request_error",
                                                                "param": param, "code": None}}, (body, r.json())
+
+
+def test_a_generating_endpoint_is_declared_in_one_place(tmp_path, monkeypatch):
+    # issue 34: a new generating endpoint is its body, its formatter and its row; the route (with
+    # and without /v1), the body's validation errors, the engine's job and the stream all follow
+    from fastapi.testclient import TestClient
+
+    from mlx_dgemma.server import Engine, create_app
+    from mlx_dgemma.server.endpoints import ENDPOINTS, Endpoint, Shaped
+    from mlx_dgemma.server.openai import Formatter
+    from mlx_dgemma.server.schemas import Sampling
+
+    class ShoutRequest(Sampling):
+        text: str
+
+    class ShoutFormatter(Formatter):
+        object, chunk_object, id_prefix = "shout", "shout.chunk", "shout-"
+
+        def choice(self, r):
+            return {"shout": r.content.upper(), "finish_reason": r.finish_reason}
+
+        def delta_choice(self, content, reasoning, finish, role, tool_calls, logprobs):
+            return {"shout": content.upper(), "finish_reason": finish}
+
+    def shape(engine, body):
+        ids, gen = engine.prepare_completion(body.text, engine.sampler_overrides(body, body.max_tokens))
+        return Shaped("completion", ids, gen)
+
+    shout = Endpoint("/v1/shout", ShoutRequest, shape, ShoutFormatter)  # the one declaration
+    monkeypatch.setenv("MLX_DGEMMA_CACHE", str(tmp_path))
+    body = {"max_tokens": 8, "max_denoising_steps": 1, "commit_entropy": 0, "seed": 1}
+    with TestClient(create_app(Engine(demo=True), endpoints=(*ENDPOINTS, shout))) as client:
+        done = client.post("/v1/completions", json={**body, "prompt": "Once upon a time"}).json()["choices"][0]
+        text = done["text"]
+        assert text.strip()
+        r = client.post("/v1/shout", json={**body, "text": "Once upon a time"})
+        assert r.status_code == 200, r.json()
+        out = r.json()
+        assert out["object"] == "shout" and out["id"].startswith("shout-") and out["usage"]["completion_tokens"] <= 8
+        assert out["choices"] == [{"shout": text.upper(), "finish_reason": done["finish_reason"]}]
+        assert client.post("/shout", json={**body, "text": "Once upon a time"}).json()["choices"] == out["choices"]
+        with client.stream("POST", "/v1/shout", json={**body, "text": "Once upon a time", "stream": True}) as s:
+            events = [line.removeprefix("data: ") for line in s.iter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert events[-1] == "[DONE]" and {c["object"] for c in chunks} == {"shout.chunk"}
+        assert "".join(c["choices"][0]["shout"] for c in chunks) == text.upper()
+        r = client.post("/v1/shout", json={**body, "text": 3})  # the body's own field, in our words
+        assert r.status_code == 400 and r.json()["error"]["message"] == "text: expected a string, got 3"
+        assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], **body}) \
+            .json()["object"] == "chat.completion"  # the rows before it keep theirs

@@ -3,6 +3,7 @@
 - :mod:`.schemas`: the request bodies (pydantic; the sampler fields' ranges are the core's);
 - :mod:`.openai`: the answer as the client sees it, stream deltas, response objects;
 - :mod:`.shaping`: requests checked and shaped for the core (context, work budget, tools);
+- :mod:`.endpoints`: the generating endpoints, each declared once (path, body, shaper, formatter);
 - :mod:`.toolcalls`: forced tool calls held on the canvas, their arguments checked and repaired;
 - :mod:`.engine`: requests run on the core's model worker, taking turns at block boundaries;
 - :mod:`.app`: the FastAPI app (lifespan, ``app.state.engine`` via ``Depends``, error handlers,

@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,15 +29,12 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from mlx_dgemma.request import GenerationRequest
-
+from .endpoints import ENDPOINTS, V1, Endpoint, Shaped
 from .engine import Engine, Job
 from .errors import APIError
 from .guard import refusal
 from .openai import Deltas, Formatter, model_card, sse
-from .shaping import check_last_message, normalize_messages, tools_for
-from .toolcalls import Forced
-from .schemas import ChatRequest, CompletionRequest, Sampling
+from .schemas import Sampling
 
 log = logging.getLogger("mlx_dgemma.server")
 
@@ -77,9 +74,8 @@ def _param(loc: tuple[Any, ...]) -> str:
     return out
 
 
-BODY_MODELS = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest,
-               "/chat/completions": ChatRequest, "/completions": CompletionRequest}
-ROUTES = "/v1/models, /v1/chat/completions, /v1/completions (each also without /v1), /props, /health, /metrics"
+ROUTES = (", ".join([f"{V1}/models", *(e.path for e in ENDPOINTS if len(e.paths) > 1)]) + f" (each also without {V1}), "
+          + ", ".join([*(e.path for e in ENDPOINTS if len(e.paths) == 1), "/props", "/health", "/metrics"]))
 
 
 def validation_error(exc: RequestValidationError, raw: bytes | None, model: type | None = None) -> APIError:
@@ -163,7 +159,7 @@ async def _api_error(request: Request, e: APIError) -> JSONResponse:
 
 
 async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-    model = BODY_MODELS.get(request.url.path)
+    model = request.app.state.body_models.get(request.url.path)  # the body this POST route validates
     return await _api_error(request, validation_error(e, request.scope.get(RAW_BODY), model))
 
 
@@ -404,54 +400,37 @@ async def responses() -> None:
                    "chat-completions or 'openai-compatible' provider)", code="unknown_url")
 
 
-def _thinking(body: ChatRequest) -> bool:
-    if body.enable_thinking is not None:
-        return body.enable_thinking
-    v = (body.chat_template_kwargs or {}).get("enable_thinking", False)
-    if not isinstance(v, bool):
-        raise APIError(400, "chat_template_kwargs.enable_thinking: expected true or false",
-                       param="chat_template_kwargs.enable_thinking")
-    return v
+def generating_route(endpoint: Endpoint) -> Callable[..., Any]:
+    """The route function of a generating endpoint: its body shaped on a handler thread (the
+    template, the tokenizer), then submitted as a job and answered by the endpoint's formatter."""
+
+    async def generate(body: Sampling, request: Request, engine: Engine = Depends(get_engine)) -> Response:
+        # any model name is served by the one model (clients hard-code names); responses name ours
+        shaped = await run_in_threadpool(endpoint.shape, engine, body)
+        return await _submit(request, engine, endpoint, body, shaped)
+
+    generate.__annotations__ = {**generate.__annotations__, "body": endpoint.body}  # what FastAPI validates
+    generate.__name__ = generate.__qualname__ = endpoint.shape.__name__.removeprefix("shape_")
+    return generate
 
 
-@router.post("/v1/chat/completions")
-@router.post("/chat/completions", include_in_schema=False)
-async def chat_completions(body: ChatRequest, request: Request, engine: Engine = Depends(get_engine)) -> Response:
-    # any model name is served by the one model (clients hard-code names); responses name ours
-    messages = normalize_messages(body.messages)
-    tools = tools_for(body.tools, body.tool_choice)
-    forced = Forced.of(tools, body.tool_choice)
-    continued = check_last_message(messages)
-    if continued and forced is not None:
-        raise APIError(400, "tool_choice: a forced call cannot continue an assistant message; leave the last "
-                       "assistant message out (or tool_choice)", param="tool_choice")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    thinking = _thinking(body)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    wanted = engine.sampler_overrides(body, max_tokens, logprobs)
-    gen = await run_in_threadpool(engine.prepare_chat, messages, thinking, wanted, tools, continued)
-    return await _submit(request, engine, "chat", body, messages, gen, thinking, tools, logprobs, forced, continued)
+def generating_router(endpoints: tuple[Endpoint, ...]) -> APIRouter:
+    """``POST`` routes for ``endpoints``: each path, and the same without ``/v1``."""
+    out = APIRouter()
+    for endpoint in endpoints:
+        route = generating_route(endpoint)
+        for i, path in enumerate(endpoint.paths):
+            out.add_api_route(path, route, methods=["POST"], include_in_schema=i == 0)
+    return out
 
 
-@router.post("/v1/completions")
-@router.post("/completions", include_in_schema=False)
-async def completions(body: CompletionRequest, request: Request, engine: Engine = Depends(get_engine)) -> Response:
-    wanted = engine.sampler_overrides(body, body.max_tokens, body.logprobs)
-    ids, gen = await run_in_threadpool(engine.prepare_completion, body.prompt, wanted)
-    return await _submit(request, engine, "completion", body, ids, gen, False, logprobs=body.logprobs)
-
-
-async def _submit(request: Request, engine: Engine, kind: str, body: Sampling, prompt: Any, gen: GenerationRequest,
-                  thinking: bool, tools: list[dict[str, Any]] | None = None, logprobs: int | None = None,
-                  forced: Forced | None = None, continued: bool = False) -> Response:
+async def _submit(request: Request, engine: Engine, endpoint: Endpoint, body: Sampling, shaped: Shaped) -> Response:
     # the answer's exact token limit: the client's max_tokens, lowered where the context capped it
-    max_tokens = gen.get("max_new_tokens")
-    job = Job(kind, prompt, gen, max_tokens, body.stop, thinking,
-              bool(body.diffusion and body.diffusion.stream_steps), asyncio.get_running_loop(), tools=tools,
-              logprobs=logprobs, forced=forced, continued=continued)
-    fmt = Formatter(kind, engine.model_id)
+    max_tokens = shaped.request.get("max_new_tokens")
+    job = Job(shaped.kind, shaped.prompt, shaped.request, max_tokens, body.stop, shaped.thinking,
+              bool(body.diffusion and body.diffusion.stream_steps), asyncio.get_running_loop(), tools=shaped.tools,
+              logprobs=shaped.logprobs, forced=shaped.forced, continued=shaped.continued)
+    fmt = endpoint.formatter(engine.model_id)
     job.stats["id"] = fmt.id  # the log line names the response's id
     _log_info(request)["job"] = job
     engine.submit(job)
@@ -494,8 +473,8 @@ async def _stream(job: Job, fmt: Formatter, watcher: asyncio.Task, include_usage
         return out
 
     try:
-        if fmt.kind == "chat":
-            yield sse(fmt.delta(role=True))
+        for chunk in fmt.opening():
+            yield sse(chunk)
         while True:
             what, payload = await job.queue.get()
             if what == "step":
@@ -568,8 +547,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(engine.stop)
 
 
-def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
-    """The FastAPI application serving ``engine`` (started here if it is not yet)."""
+def create_app(engine: Engine, settings: Settings | None = None,
+               endpoints: tuple[Endpoint, ...] = ENDPOINTS) -> FastAPI:
+    """The FastAPI application serving ``engine`` (started here if it is not yet), with a route
+    for each of the generating ``endpoints`` (:data:`~.endpoints.ENDPOINTS`)."""
     settings = settings or Settings()
     app = FastAPI(title="mlx-dgemma", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.engine = engine
@@ -579,6 +560,8 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     app.include_router(open_router)
     app.include_router(router)
+    app.include_router(generating_router(endpoints))
+    app.state.body_models = {path: e.body for e in endpoints for path in e.paths}
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, body_timeout=settings.body_timeout)
     app.add_middleware(Guard, settings=settings)
     if settings.cors_origins:

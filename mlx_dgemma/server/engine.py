@@ -56,7 +56,7 @@ WARM_UP_STEPS = 2  # the warm-up's steps: the first traces the step without self
 class Job:
     """One request, as the worker sees it; results go to ``queue`` on the request's loop."""
 
-    kind: Literal["chat", "completion"]
+    kind: Literal["chat", "completion"]  # the prompt's form (endpoints.Shaped), whatever endpoint shaped it
     prompt: Any  # normalized messages (chat) or token ids (completion)
     request: GenerationRequest  # the sampler's settings (and log-probabilities), checked and capped to fit
     max_tokens: int | None

@@ -217,18 +217,23 @@ class Result:
 
 
 class Formatter:
-    """OpenAI response objects for one request (chat or text completion)."""
+    """The response objects of one request: one subclass per response kind (its object names,
+    its id's prefix, the shape of its choices). An endpoint names its kind's class
+    (:mod:`.endpoints`); a stream sends :meth:`opening`'s chunks, then :meth:`delta`'s and
+    :meth:`extra`'s, and a whole answer is :meth:`final`."""
 
-    def __init__(self, kind: str, model: str):
-        self.kind, self.model = kind, model
-        self.text_offset = 0  # text completions' logprobs: where the next token starts in the answer
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    object = ""  # the response's object name
+    chunk_object = ""  # a stream chunk's
+    id_prefix = ""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.id = self.id_prefix + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.object = "chat.completion" if kind == "chat" else "text_completion"
 
     def _base(self, chunk: bool) -> dict[str, Any]:
-        obj = self.object + ".chunk" if chunk and self.kind == "chat" else self.object
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": self.chunk_object if chunk else self.object, "created": self.created,
+                "model": self.model}
 
     def call_id(self, index: int) -> str:
         """The id of the answer's ``index``-th tool call (the same in a stream and its final)."""
@@ -239,19 +244,25 @@ class Formatter:
         return {**out, "id": self.call_id(index), "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments}}
 
+    def opening(self) -> list[dict[str, Any]]:
+        """The chunks a stream sends before the answer's first text."""
+        return []
+
+    def choice(self, r: Result) -> dict[str, Any]:
+        """A whole answer's choice (without ``finish_detail``)."""
+        raise NotImplementedError
+
+    def delta_choice(self, content: str, reasoning: str, finish: str | None, role: bool,
+                     tool_calls: list[tuple[int, ToolCall]] | None, logprobs: Any) -> dict[str, Any]:
+        """A stream chunk's choice (without ``finish_detail``)."""
+        raise NotImplementedError
+
+    def logprobs(self, entries: Any) -> dict[str, Any] | None:
+        """A choice's ``logprobs`` for ``entries`` (None: not asked)."""
+        raise NotImplementedError
+
     def final(self, r: Result) -> dict[str, Any]:
-        if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": r.content}
-            if r.tool_calls:
-                message["content"] = r.content or None
-                message["tool_calls"] = [self.tool_call(i, c) for i, c in enumerate(r.tool_calls)]
-            if r.reasoning:
-                message["reasoning_content"] = r.reasoning
-            choice = {"index": 0, "message": message, "finish_reason": r.finish_reason,
-                      "logprobs": self.logprobs(r.logprobs)}
-        else:
-            choice = {"index": 0, "text": r.content, "finish_reason": r.finish_reason,
-                      "logprobs": self.logprobs(r.logprobs)}
+        choice = self.choice(r)
         if r.finish_detail is not None:
             choice["finish_detail"] = r.finish_detail
         out = {**self._base(False), "choices": [choice], "usage": r.usage}
@@ -259,14 +270,72 @@ class Formatter:
             out["timings"] = r.timings
         return out
 
+    def delta(self, content: str = "", reasoning: str = "", finish: str | None = None,
+              role: bool = False, tool_calls: list[tuple[int, ToolCall]] | None = None,
+              logprobs: Any = None, detail: str | None = None) -> dict[str, Any]:
+        choice = self.delta_choice(content, reasoning, finish, role, tool_calls, logprobs)
+        if detail is not None:  # the final chunk of an answer a core guard ended (Result.finish_detail)
+            choice["finish_detail"] = detail
+        return {**self._base(True), "choices": [choice]}
+
+    def extra(self, **fields: Any) -> dict[str, Any]:
+        return {**self._base(True), "choices": [], **fields}
+
+
+class ChatFormatter(Formatter):
+    """``chat.completion``: a message (content, reasoning, tool calls); a stream opens with the role."""
+
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self.delta(role=True)]
+
+    def choice(self, r: Result) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": r.content}
+        if r.tool_calls:
+            message["content"] = r.content or None
+            message["tool_calls"] = [self.tool_call(i, c) for i, c in enumerate(r.tool_calls)]
+        if r.reasoning:
+            message["reasoning_content"] = r.reasoning
+        return {"index": 0, "message": message, "finish_reason": r.finish_reason, "logprobs": self.logprobs(r.logprobs)}
+
+    def delta_choice(self, content: str, reasoning: str, finish: str | None, role: bool,
+                     tool_calls: list[tuple[int, ToolCall]] | None, logprobs: Any) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": "assistant"} if role else {}
+        if content or role:
+            d["content"] = content
+        if reasoning:
+            d["reasoning_content"] = reasoning
+        if tool_calls:
+            d["tool_calls"] = [self.tool_call(i, c, stream=True) for i, c in tool_calls]
+        return {"index": 0, "delta": d, "finish_reason": finish, "logprobs": self.logprobs(logprobs)}
+
     def logprobs(self, entries: Any) -> dict[str, Any] | None:
-        """A choice's ``logprobs`` for ``entries`` (None: not asked). Chat: ``{"content": [...]}``;
-        a text completion: the legacy columns (``tokens``, ``token_logprobs``, ``top_logprobs``
-        as {token: logprob} and ``text_offset``, counted on from the entries sent before)."""
+        """``{"content": [entries]}``."""
+        return None if entries is None else {"content": list(entries), "refusal": None}
+
+
+class TextFormatter(Formatter):
+    """``text_completion`` (the legacy API): the answer's text; its chunks are ``text_completion`` too."""
+
+    object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl-"
+
+    def __init__(self, model: str):
+        super().__init__(model)
+        self.text_offset = 0  # logprobs: where the next token starts in the answer
+
+    def choice(self, r: Result) -> dict[str, Any]:
+        return {"index": 0, "text": r.content, "finish_reason": r.finish_reason, "logprobs": self.logprobs(r.logprobs)}
+
+    def delta_choice(self, content: str, reasoning: str, finish: str | None, role: bool,
+                     tool_calls: list[tuple[int, ToolCall]] | None, logprobs: Any) -> dict[str, Any]:
+        return {"index": 0, "text": content, "finish_reason": finish, "logprobs": self.logprobs(logprobs)}
+
+    def logprobs(self, entries: Any) -> dict[str, Any] | None:
+        """The legacy columns (``tokens``, ``token_logprobs``, ``top_logprobs`` as {token: logprob}
+        and ``text_offset``, counted on from the entries sent before)."""
         if entries is None:
             return None
-        if self.kind == "chat":
-            return {"content": list(entries), "refusal": None}
         offsets = []
         for e in entries:
             offsets.append(self.text_offset)
@@ -274,27 +343,6 @@ class Formatter:
         return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
                 "text_offset": offsets}
-
-    def delta(self, content: str = "", reasoning: str = "", finish: str | None = None,
-              role: bool = False, tool_calls: list[tuple[int, ToolCall]] | None = None,
-              logprobs: Any = None, detail: str | None = None) -> dict[str, Any]:
-        if self.kind == "chat":
-            d: dict[str, Any] = {"role": "assistant"} if role else {}
-            if content or role:
-                d["content"] = content
-            if reasoning:
-                d["reasoning_content"] = reasoning
-            if tool_calls:
-                d["tool_calls"] = [self.tool_call(i, c, stream=True) for i, c in tool_calls]
-            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": self.logprobs(logprobs)}
-        else:
-            choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": self.logprobs(logprobs)}
-        if detail is not None:  # the final chunk of an answer a core guard ended (Result.finish_detail)
-            choice["finish_detail"] = detail
-        return {**self._base(True), "choices": [choice]}
-
-    def extra(self, **fields: Any) -> dict[str, Any]:
-        return {**self._base(True), "choices": [], **fields}
 
 
 def sse(obj: dict[str, Any]) -> str:
