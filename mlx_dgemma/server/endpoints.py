@@ -1,8 +1,9 @@
 """The generating endpoints, each declared once: its path, its body (:mod:`.schemas`), how the
 body becomes what the engine runs (a :class:`Shaped`: the prompt, the checked
 :class:`~mlx_dgemma.request.GenerationRequest`), and its response kind's formatter
-(:mod:`.openai`). :mod:`.app` derives the routes, ``BODY_MODELS`` and ``ROUTES`` from
-:data:`ENDPOINTS`; the engine runs a :class:`Shaped` whatever endpoint it came from.
+(:mod:`.openai`). :mod:`.app` derives the routes, the body each route's validation errors
+name and the 404's ``ROUTES`` from :data:`ENDPOINTS`; the engine runs a :class:`Shaped`
+whatever endpoint it came from.
 
 A new endpoint is its body model, its formatter (or an existing one) and its row here.
 """
@@ -30,7 +31,7 @@ class Shaped:
     kind: Literal["chat", "completion"]  # messages through the chat template, or token ids continued as they are
     prompt: Any  # normalized messages (chat) or token ids (completion)
     request: GenerationRequest  # checked, and capped to what fits after the prompt
-    thinking: bool = False
+    thinking: bool = False  # the chat template's thought channel on
     tools: list[dict[str, Any]] | None = None
     logprobs: int | None = None  # report the answer's log-probabilities, with this many top tokens each
     forced: toolcalls.Forced | None = None
@@ -39,7 +40,7 @@ class Shaped:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One generating endpoint: ``POST path`` (and without ``/v1``) takes ``body``, which
+    """One generating endpoint: ``POST path`` (also without its ``/v1``) takes ``body``, which
     ``shape(engine, body)`` turns into a :class:`Shaped` (on a handler thread: its errors are
     the request's 400s), answered by a ``formatter`` per request."""
 
