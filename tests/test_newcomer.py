@@ -126,8 +126,8 @@ def test_generate_demo_says_what_it_is_and_writes_no_control_bytes(tmp_path, mon
 
 
 def test_wrong_architecture_is_rejected_from_the_first_keys(tmp_path, monkeypatch):
-    """The architecture key comes first in a GGUF: a wrong file is refused before the full
-    parse (the 262k-entry tokenizer arrays take gguf-py tens of seconds on a real file)."""
+    """The architecture key comes first in a GGUF: a wrong file is refused by the pre-scan from
+    that key, before the rest of the header is walked or a header is built from it."""
     from mlx_dgemma.convert import source
     from mlx_dgemma.convert.errors import ConvertError
 
@@ -136,9 +136,9 @@ def test_wrong_architecture_is_rejected_from_the_first_keys(tmp_path, monkeypatc
     other.write_bytes(ours.read_bytes().replace(b"diffusion-gemma", b"gemma3\0\0\0\0\0\0\0\0\0", 1))
 
     def no_full_parse(*a, **k):
-        raise AssertionError("the whole GGUF was parsed")
+        raise AssertionError("the whole GGUF was read")
 
-    monkeypatch.setattr(source, "GGUFReader", no_full_parse)
+    monkeypatch.setattr(source, "GGUFHeader", no_full_parse)
     with pytest.raises(ConvertError, match="general.architecture is 'gemma3"):
         source.open_gguf(other)
 
