@@ -119,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
         inputs = [model_path or trained_demo_path(), args.prompt_file if args.prompt_file != "-" else None]
         trace_out = check_output_file(args.trace, "--trace", inputs, example="trace.jsonl")
     with hold_interrupts():
-        from .events import BlockEvent, DoneEvent, PrefillEvent, StepEvent
+        from .events import BlockEvent, DoneEvent, PrefillEvent, Stats, StepEvent
         from .generation import stream_generate
         from .text import printable
     limit = memory_limit(args)
@@ -172,9 +172,13 @@ def main(args: argparse.Namespace) -> int:
         return tokens[:at], parsed.answer, parsed.thinking, True
 
     so_far: tuple[int, ...] = ()
+    # the summary's figures, folded from the events as the chat app and the server fold theirs (a new
+    # statistic: its Stats property and the line that shows it)
+    stats = Stats(pad_id=params.pad_token_id)
     try:  # the step line is erased however the loop ends (Ctrl+C, an error): not left on the terminal
         for ev in flagged(stream_generate(runtime, prompt, request=request, generation_config=gen_cfg,
                                           enable_thinking=args.think, chat=not args.raw), request.params):
+            stats.add(ev)
             if isinstance(ev, PrefillEvent) and not args.json:
                 print(f"[prefill] {ev.tokens} tokens in {ev.seconds:.2f} s", file=sys.stderr)
             if isinstance(ev, StepEvent) and trace is not None:
@@ -209,11 +213,11 @@ def main(args: argparse.Namespace) -> int:
     assert done is not None
     if trace is not None:
         trace.export_jsonl(trace_out, tokenizer.decode)
-    summary = {"finish_reason": done.finish_reason, "prompt_tokens": done.prompt_tokens,
-               "prefill_tokens_per_second": round(done.prefill_tokens_per_second, 2),
-               "steps": done.steps, "steps_per_block": list(done.steps_per_block),
-               "seconds_per_step": round(done.seconds_per_step, 4),
-               "tokens_per_forward": round(done.tokens_per_forward, 3),
+    summary = {"finish_reason": done.finish_reason, "prompt_tokens": stats.prompt_tokens,
+               "prefill_tokens_per_second": round(stats.prefill_tokens_per_second, 2),
+               "steps": stats.steps, "steps_per_block": list(stats.steps_per_block),
+               "seconds_per_step": round(stats.seconds_per_step, 4),
+               "tokens_per_forward": round(stats.tokens_per_forward, 3),
                "peak_memory_gb": round(done.peak_memory_bytes / 1e9, 3), "precision": done.precision,
                "ranks": model.ranks}
     if args.json:
@@ -228,9 +232,9 @@ def main(args: argparse.Namespace) -> int:
         if done.finish_reason in ENDINGS:  # a guard ended the answer: say which, and how to turn it off
             print(f"[{done.finish_reason}] {ENDINGS[done.finish_reason]}: the answer ends there "
                   f"({flags()[GUARD_PARAMS[done.finish_reason]]} 0 turns this off)", file=sys.stderr)
-        print(f"[done] {done.finish_reason}; {done.steps} steps {list(done.steps_per_block)}, "
-              f"{done.seconds_per_step:.3f} s/step, {done.tokens_per_forward:.2f} tokens/forward, "
-              f"prefill {done.prefill_tokens_per_second:.1f} tok/s, peak {done.peak_memory_bytes / 1e9:.2f} GB, "
+        print(f"[done] {done.finish_reason}; {stats.steps} steps {list(stats.steps_per_block)}, "
+              f"{stats.seconds_per_step:.3f} s/step, {stats.tokens_per_forward:.2f} tokens/forward, "
+              f"prefill {stats.prefill_tokens_per_second:.1f} tok/s, peak {done.peak_memory_bytes / 1e9:.2f} GB, "
               f"{done.precision}",
               file=sys.stderr)
     return 0

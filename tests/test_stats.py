@@ -72,3 +72,32 @@ def test_a_consumers_figures_are_the_cores(tiny_model_dir):
         (mine.prompt_tokens, mine.steps, tuple(mine.steps_per_block))
     assert (done.prefill_tokens_per_second, done.seconds_per_step, done.tokens_per_forward) == \
         (mine.prefill_tokens_per_second, mine.seconds_per_step, mine.tokens_per_forward)
+
+
+def test_the_cli_summary_is_its_own_fold_of_the_events(monkeypatch, capsys):
+    """`generate --json`'s figures come from its own Stats (a new statistic: its Stats property and
+    the line that shows it, no DoneEvent field); they are the core DoneEvent's, which the spy keeps."""
+    pytest.importorskip("mlx.core")
+    import mlx_dgemma.generation as generation
+    from mlx_dgemma.cli import main
+
+    seen: list = []
+    real = generation.stream_generate
+
+    def spy(*a, **k):
+        for ev in real(*a, **k):
+            seen.append(ev)
+            yield ev
+
+    monkeypatch.setattr(generation, "stream_generate", spy)
+    assert main(["generate", "--demo", "--prompt", "And God said", "--seed", "0", "--steps", "4",
+                 "--max-tokens", "128", "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    done = seen[-1]
+    assert isinstance(done, DoneEvent) and done.steps > 0
+    assert (out["prompt_tokens"], out["steps"], out["steps_per_block"]) == \
+        (done.prompt_tokens, done.steps, list(done.steps_per_block))
+    assert out["tokens_per_forward"] == round(done.tokens_per_forward, 3)
+    assert out["seconds_per_step"] == round(done.seconds_per_step, 4)
