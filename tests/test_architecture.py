@@ -409,3 +409,15 @@ def test_no_source_module_is_over_the_line_limit():
     assert not bad, f"source modules over {MAX_MODULE_LINES} lines (split them by concern):\n" + "\n".join(bad)
     stale = sorted(set(LONG_MODULES) - set(long))
     assert not stale, f"no longer over {MAX_MODULE_LINES} lines: remove from LONG_MODULES: {stale}"
+
+
+# A test file over this holds several screens' or features' tests (issue 34: test_tui.py was 1,004
+# lines before it was split by screen); split it by what it tests.
+MAX_TEST_LINES = 800
+
+
+def test_no_test_file_is_over_the_line_limit():
+    lengths = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "tests").glob("*.py")}
+    assert "test_architecture.py" in lengths  # seen
+    long = [f"tests/{f}: {n} lines" for f, n in sorted(lengths.items()) if n > MAX_TEST_LINES]
+    assert not long, f"test files over {MAX_TEST_LINES} lines (split them by what they test):\n" + "\n".join(long)
