@@ -50,7 +50,7 @@ class Param:
 
 PARAMS: tuple[Param, ...] = (  # in the order of ``generate --help``
     Param("max_new_tokens", int, 1, 10_000_000, "an integer in [1, 10000000]", "--max-tokens", "N",
-          "new tokens (rounded up to whole canvases)", label="max new tokens", screen_order=8),
+          "new tokens at most (whole canvases are denoised; the answer is cut at N)", label="max new tokens", screen_order=8),
     Param("max_denoising_steps", int, 1, 10_000, "an integer in [1, 10000]", "--steps", "N",
           "max denoising steps per block", label="max steps per block", screen_order=1, server=True,
           gguf_key="diffusion.eb_max_steps"),
