@@ -133,6 +133,9 @@ def scan_gguf(path: Path, expect_arch: str | None, source: str | None = None) ->
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         magic = f.read(len(MAGIC))
+        if not magic:  # an interrupted download or copy leaves an empty file
+            raise ConvertError(f"{source}: the file is empty (0 bytes), not a GGUF; download the .gguf model "
+                               "file again")
         if magic != MAGIC:
             raise ConvertError(f"{source}: not a GGUF file (starts with {magic!r}, expected {MAGIC!r}); "
                                "download the .gguf model file itself")

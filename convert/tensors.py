@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as T
 
 from mlx_dgemma.errors import NonFiniteError
 from mlx_dgemma.schema import ModelArgs, QuantSpec
-from mlx_dgemma.tiers import SCALE_DTYPE, Requantized, ordered_map, requantize_affine, target
+from mlx_dgemma.tiers import SCALE_DTYPE, Requantized, ordered_map, requantize_affine, target, workers
 from .errors import ConvertError
 from .header import GGUFHeader
 from .names import expected_tensors, mlx_name, module_path, stored_names
@@ -25,6 +25,7 @@ _REPACK_BYTES = 2 << 20
 # Input bytes re-quantized at once by a thread (lossy precisions): ~2 M weights, ~10 MB of
 # float32 temporaries, several chunks per tensor for the threads to share.
 _TIER_CHUNK_BYTES = 1 << 20
+_TIER_MIN_CHUNK_BYTES = 1 << 15  # ~60 K weights: a few blocks' worth of per-call work
 
 
 @dataclass
@@ -209,7 +210,7 @@ def convert_tensor(t, precision: str = "exact", num_layers: int = 0) -> Converte
         bits, group, subblock = goal.bits, goal.group_size, 32
         s_out = np.empty((rows, width // group), dtype=SCALE_DTYPE)
         b_out = np.empty_like(s_out)
-        tstep = max(1, _TIER_CHUNK_BYTES // max(1, row_bytes))
+        tstep = _tier_rows(rows, row_bytes)
 
         def requantize_rows(r0: int) -> Requantized:
             # the exact integers and scales of these rows, straight from the blocks (the values
@@ -252,6 +253,18 @@ def convert_tensor(t, precision: str = "exact", num_layers: int = 0) -> Converte
                   qtype.name), n_el, int(t.n_bytes), err, prepare=job.prepare)
     job.converted = c
     return c
+
+
+def _tier_rows(rows: int, row_bytes: int) -> int:
+    """Rows a thread re-quantizes at a time: about ``_TIER_CHUNK_BYTES`` of input, and fewer for a
+    tensor that would otherwise be one or two chunks, so that every thread has a share of it
+    (tensors are taken one at a time: a one-chunk tensor kept all but one thread idle, most of
+    a small model's). Never under ``_TIER_MIN_CHUNK_BYTES``, where the per-call work would
+    outweigh the share. Rows are whole, and each group depends on its own values alone, so no
+    chunking changes a number."""
+    per_thread = -(-rows // (2 * workers()))  # two chunks a thread: one finishing, one started
+    least = max(1, _TIER_MIN_CHUNK_BYTES // max(1, row_bytes))
+    return max(1, min(_TIER_CHUNK_BYTES // max(1, row_bytes), max(per_thread, least)))
 
 
 def _slices(a: np.ndarray, step: int) -> Iterator[np.ndarray]:

@@ -232,6 +232,9 @@ class ModelArgs:
             v = getattr(self, f)
             if spec.kind == "layer_types":  # one per layer: the count is part of its rule
                 n = self.num_hidden_layers
+                if isinstance(v, list) and len(v) == n and not spec.ok(v):  # name the entry at fault
+                    i = next(i for i, x in enumerate(v) if not spec.ok([x]))
+                    raise ModelArgsError(f, f"{name(f)}[{i}]", " or ".join(map(repr, LAYER_TYPES)), v[i])
                 if not spec.ok(v) or len(v) != n:
                     fail(f, f"{n} {spec.rule}")
             elif not spec.ok(v):

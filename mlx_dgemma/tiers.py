@@ -195,10 +195,16 @@ def _recipe(precision: str, module: str, ggml_type: str, num_layers: int) -> Tar
 # the re-quantizer
 
 # Groups re-quantized at a time (in elements): the dozen float32 passes over a block stay in the
-# CPU's cache instead of streaming 60 MB temporaries per pass (an 8 MB chunk of Q4_K input is
-# 15 M weights). Each group's numbers depend on that group alone, so neither this size nor the
-# number of threads (:func:`ordered_map`) changes a stored value.
-_BLOCK_ELEMENTS = 1 << 16
+# CPU's caches (1 MB arrays: L2/L3) instead of streaming 60 MB temporaries per pass (an 8 MB
+# chunk of Q4_K input is 15 M weights), and the per-group work (a few dozen NumPy calls on
+# vectors of one value a group, ~2-10 us each whatever their length) is spread over 2,048 groups
+# of 128. At 1 << 16 those calls cost about as much as the passes: 1 << 18 re-quantizes the
+# published expert tensors 1.5-1.7x faster (benchmarks/RESULTS.md, "The re-quantizer's blocks").
+# Each group's numbers depend on that group alone, so neither this size nor the number of
+# threads (:func:`ordered_map`) changes a stored value.
+_BLOCK_ELEMENTS = 1 << 18
+# Sub-blocks a block of fast's pairs rule (even: whole groups; 16 K sub-blocks, 256 K elements)
+_PAIRS_BLOCK = 1 << 14
 
 # fast's rule for the padded types: a group's grid is the coarser sub-block's own (that half
 # stays exact) when that grid is at most this much coarser than the group's min-max grid.
@@ -328,12 +334,13 @@ def _quantize_block(g: np.ndarray, buf: np.ndarray, tmp: np.ndarray, levels: int
     qf, t = buf[:g.shape[0]], tmp[:g.shape[0]]
     lo, hi = g.min(-1), g.max(-1)
     scale, bias = _half((hi - lo) / levels), _half(lo)
-    _round_to_grid(g, scale, bias, levels, qf)
+    s32, b32 = scale.astype(np.float32), bias.astype(np.float32)
+    _round_to_grid(g, s32, b32, levels, qf)
     sw = g.sum(-1)
     for _ in range(refits):
         # sums of integers below 2**24 are exact in float32 in any order (BLAS, einsum);
-        # sum(q * w) is not, and keeps NumPy's pairwise order: the numbers of the
-        # whole-array form this replaced, bit for bit
+        # sum(q * w) is not, and keeps NumPy's pairwise order: the plain formula's numbers
+        # (tests/test_tiers.py), bit for bit
         if exact_sums:
             sq, sqq = qf @ ones, np.einsum("ij,ij->i", qf, qf)
         else:
@@ -342,15 +349,16 @@ def _quantize_block(g: np.ndarray, buf: np.ndarray, tmp: np.ndarray, levels: int
         det = n * sqq - sq * sq
         ok = det > 0
         safe = np.where(ok, det, 1)
-        new_s = np.where(ok, (n * sqw - sq * sw) / safe, scale)
-        new_b = np.where(ok, (sw - new_s * sq) / n, bias)
+        new_s = np.where(ok, (n * sqw - sq * sw) / safe, s32)
+        new_b = np.where(ok, (sw - new_s * sq) / n, b32)
         scale, bias = _half(new_s), _half(new_b)
-        _round_to_grid(g, scale, bias, levels, qf)
+        s32, b32 = scale.astype(np.float32), bias.astype(np.float32)
+        _round_to_grid(g, s32, b32, levels, qf)
     q[...] = qf
     scales[...], biases[...] = scale, bias
     if err is not None:
-        np.multiply(qf, scale.astype(np.float32)[:, None], out=t)
-        np.add(t, bias.astype(np.float32)[:, None], out=t)
+        np.multiply(qf, s32[:, None], out=t)
+        np.add(t, b32[:, None], out=t)
         err.add(np.subtract(t, g, out=t), g)
 
 
@@ -372,8 +380,7 @@ def _requantize_pairs(columns: Callable[[int, int], np.ndarray], count: int, sca
     sc, bi = (np.asarray(a, dtype=np.float32).reshape(-1) for a in (scales, biases))
     out = np.empty((count, 16), dtype=np.uint8)
     s_out, b_out = np.empty(count // 2, dtype=SCALE_DTYPE), np.empty(count // 2, dtype=SCALE_DTYPE)
-    block = 2 * max(1, 4 * _BLOCK_ELEMENTS // 32)  # sub-blocks a block (even: whole groups; few
-    # passes, so larger blocks than the refits': less per-call overhead on the per-group vectors)
+    block = _PAIRS_BLOCK
     err = _Err() if measure else None
     with np.errstate(over="ignore"):  # a float16 overflow is _half's error, not a warning
         for m0 in range(0, count, block):
@@ -451,10 +458,10 @@ def _half(x: np.ndarray) -> np.ndarray:
 
 
 def _round_to_grid(g: np.ndarray, scale: np.ndarray, bias: np.ndarray, levels: int, out: np.ndarray) -> None:
-    """``out`` (float32, shaped like ``g`` [groups, group]) = each value's grid index in [0, levels]."""
-    s = scale.astype(np.float32)[:, None]
-    np.subtract(g, bias.astype(np.float32)[:, None], out=out)
-    np.divide(out, np.where(s == 0, 1, s), out=out)
+    """``out`` (float32, shaped like ``g`` [groups, group]) = each value's grid index in [0, levels]
+    (``scale``, ``bias``: float32 [groups], float16 values)."""
+    np.subtract(g, bias[:, None], out=out)
+    np.divide(out, np.where(scale == 0, np.float32(1), scale)[:, None], out=out)
     np.rint(out, out=out)
     np.clip(out, 0, levels, out=out)
 

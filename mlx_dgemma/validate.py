@@ -153,6 +153,8 @@ def check_config(config: Any, source: str) -> None:
     if config.get("model_type") != "diffusion_gemma":
         raise ModelFilesError(f"{source}: model_type is {config.get('model_type')!r}, expected 'diffusion_gemma'")
     tc = config.get("text_config")
+    if "text_config" not in config:
+        raise ModelFilesError(f"{source}: text_config is missing (the model's shape); convert the model again")
     if not isinstance(tc, dict):
         bad("text_config", "an object", tc)
     for f, spec in arg_specs().items():  # the model's shape: ModelArgs' fields and their rules

@@ -107,6 +107,18 @@ def test_duplicate_key_and_bad_utf8(work, capsys, tiny_gguf):
     convert_fails(work, src, capsys, "not valid UTF-8")
 
 
+@pytest.mark.parametrize("data, expect", [
+    (b"", "the file is empty (0 bytes), not a GGUF; download the .gguf model file again"),
+    (b"GGUF", "4 bytes is too short for a GGUF header; the file is truncated"),
+    (b"<!DOCTYPE html>", "not a GGUF file (starts with b'<!DO', expected b'GGUF')"),
+])
+def test_an_empty_short_or_other_file_says_what_it_is(work, capsys, data, expect):
+    src = work / "m.gguf"
+    src.write_bytes(data)
+    line = convert_fails(work, src, capsys, expect)
+    assert str(src) in line
+
+
 @pytest.mark.parametrize("edit, expect", [
     ("wrap", "past the end"),  # an offset that wraps around 2**64
     ("same", "overlap"),  # two tensors at one offset

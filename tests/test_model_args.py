@@ -91,6 +91,23 @@ def test_a_value_inside_a_field_is_named_by_its_path(config):
         check_config(cfg, "m/config.json")
 
 
+def test_a_wrong_layer_type_is_named_by_its_index_and_a_missing_text_config_as_missing(config):
+    n = config["text_config"]["num_hidden_layers"]
+    types = list(config["text_config"]["layer_types"])
+    types[n - 1] = "weird"
+    assert config_error(config, layer_types=types) == (
+        f"m/config.json: text_config.layer_types[{n - 1}] = 'weird': expected 'sliding_attention' or "
+        "'full_attention'; convert the model again")
+    # the count is still the list's rule
+    assert f"text_config.layer_types = ['sliding_attention']: expected {n} entries of" in config_error(
+        config, layer_types=["sliding_attention"])
+    cfg = copy.deepcopy(config)
+    del cfg["text_config"]
+    with pytest.raises(ModelFilesError, match=r"^m/config.json: text_config is missing \(the model's shape\); "
+                                              r"convert the model again$"):
+        check_config(cfg, "m/config.json")
+
+
 def test_a_null_softcap_is_refused_before_the_model_divides_by_it(config):
     # before: "a number > 0 or null" passed null, and the output head computed x / None
     assert "text_config.final_logit_softcapping = None: expected a finite number" in config_error(

@@ -194,3 +194,19 @@ def test_a_generating_endpoint_is_declared_in_one_place(tmp_path, monkeypatch):
         assert r.status_code == 400 and r.json()["error"]["message"] == "text: expected a string, got 3"
         assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], **body}) \
             .json()["object"] == "chat.completion"  # the rows before it keep theirs
+
+
+def test_a_wrong_method_is_told_which_methods_the_route_takes():
+    # RFC 9110: a 405 carries Allow; the message names the methods too
+    from fastapi.testclient import TestClient
+
+    from mlx_dgemma.server import Engine, create_app
+
+    client = TestClient(create_app(Engine(demo=True)))  # no lifespan: the model never loads
+    for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("DELETE", "/health", "GET")):
+        r = client.request(method, path)
+        assert r.status_code == 405, (method, path, r.text)
+        assert allowed in r.headers["allow"], r.headers
+        assert r.json()["error"]["message"] == (f"{method} {path}: method not allowed; "
+                                                f"this route takes {r.headers['allow']}")
+        assert r.json()["error"]["code"] == "method_not_allowed"

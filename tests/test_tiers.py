@@ -231,16 +231,19 @@ def test_no_start_requantizes_the_form_its_directory_holds(tmp_path, tiny_gguf, 
 
 
 @pytest.mark.parametrize("tier", ["fast", "q4"])
-def test_requantizing_on_several_threads_changes_no_number(tmp_path, tiny_gguf, tiny_model_dir, monkeypatch, tier):
-    """Row chunks (convert) and slices (load) are re-quantized on threads and taken in order:
-    one thread or several, the same bytes on disk and the same arrays in memory."""
+def test_requantizing_on_several_threads_or_blocks_changes_no_number(tmp_path, tiny_gguf, tiny_model_dir, monkeypatch, tier):
+    """Row chunks (convert) and slices (load) are re-quantized on threads and taken in order,
+    block by block: one thread or several, large blocks or small, the same bytes on disk and
+    the same arrays in memory."""
     import mlx_dgemma.convert.tensors as tensors
     import mlx_dgemma.tiers as tiers
 
     monkeypatch.setattr(tensors, "_TIER_CHUNK_BYTES", 4096)  # several chunks a tensor at this size
     files, params = [], []
-    for n in (1, 3):
+    for n, block, pairs in ((1, tiers._BLOCK_ELEMENTS, tiers._PAIRS_BLOCK), (3, 1 << 9, 1 << 3)):
         monkeypatch.setattr(tiers, "workers", lambda n=n: n)
+        monkeypatch.setattr(tiers, "_BLOCK_ELEMENTS", block)
+        monkeypatch.setattr(tiers, "_PAIRS_BLOCK", pairs)
         convert(tiny_gguf, tmp_path / f"{tier}-{n}", precision=tier)
         files.append({f.name: f.read_bytes() for f in (tmp_path / f"{tier}-{n}").glob("*.safetensors")})
         params.append(dict(tree_flatten(load(tiny_model_dir, precision=tier).model.parameters())))

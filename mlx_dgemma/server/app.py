@@ -167,9 +167,12 @@ async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
     if e.status_code == 404:
         return _error(APIError(404, f"{request.method} {request.url.path}: no such route; see {ROUTES}",
                                code="unknown_url"))
-    if e.status_code == 405:
-        return _error(APIError(405, f"{request.method} {request.url.path}: method not allowed",
-                               code="method_not_allowed"))
+    if e.status_code == 405:  # Starlette's exception carries the route's methods (RFC 9110: Allow)
+        allow = dict(e.headers or {})
+        methods = allow.get("Allow") or allow.get("allow")
+        return _error(APIError(405, f"{request.method} {request.url.path}: method not allowed"
+                               + (f"; this route takes {methods}" if methods else ""),
+                               code="method_not_allowed", headers=allow))
     if e.status_code == 400 and e.__cause__ is not None:  # FastAPI could not decode the body
         return await _api_error(request, APIError(400, f"body: not valid JSON ({e.__cause__}); send a JSON object"))
     return _error(APIError(e.status_code, str(e.detail)))
