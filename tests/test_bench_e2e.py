@@ -49,9 +49,14 @@ def test_both_loops_on_a_tiny_model(tiny_gguf):
         assert run["prompt_tokens"] == ours["runs"][0]["prompt_tokens"]  # the same prompt ids
         assert len(run["answer_ids"]) <= 32 and not set(run["answer_ids"]) & {1, 106, 50}
         assert 0 < run["first_block_s"] <= run["wall_s"]
-    # accept_probability 0.9 alone is the dial's `fast` setting, and the row says so
-    assert ours["sampler"] == "EntropyBound" and conf["sampler"] == "confidence threshold 0.9 (--quality fast)"
-    assert vlm["sampler"] == "confidence threshold 0.9" and vlm_eb["sampler"] == "EntropyBound"
+    # each row in its acceptance mode's words (mlx_dgemma.acceptance: the label and the value of
+    # the parameter that selects it); accept_probability 0.9 alone is the dial's `fast` setting,
+    # and the row says so
+    from mlx_dgemma.acceptance import ConfidenceThreshold, EntropyBound
+
+    cth = f"{ConfidenceThreshold.label} 0.9"
+    assert ours["sampler"] == EntropyBound.label and conf["sampler"] == f"{cth} (--quality fast)"
+    assert vlm["sampler"] == cth and vlm_eb["sampler"] == EntropyBound.label
     # the fair rows are quantized like ours (mlx-vlm's own 8-bit); the dense one says it is a reference
     assert vlm["impl"] == vlm_eb["impl"] == "mlx-vlm (8-bit g64, its own quant.)"
     assert dense["impl"] == "mlx-vlm (dense f32, reference)"
@@ -118,7 +123,7 @@ def test_interleaved_rows_give_the_same_answers(tiny_gguf):
 
 
 def test_the_table_keeps_its_columns_under_a_long_sampler_label():
-    # "confidence threshold 0.9 (--quality fast)" pushed its row's numbers out of line
+    # "confidence-threshold 0.9 (--quality fast)" pushed its row's numbers out of line
     from mlx_dgemma.bench.e2e import e2e_table
 
     def row(impl: str, sampler: str) -> dict:
@@ -128,7 +133,7 @@ def test_the_table_keeps_its_columns_under_a_long_sampler_label():
 
     table = e2e_table({"machine": {"platform": "p", "device": "cpu", "mlx": "0"}, "prompts": ["x"],
                        "models": {"m.gguf": {"a": row("ours", "EntropyBound"),
-                                             "b": row("ours", "confidence threshold 0.9 (--quality fast)"),
+                                             "b": row("ours", "confidence-threshold 0.9 (--quality fast)"),
                                              "c": row("a much longer implementation name than forty-two", "x")}}})
     lines = [ln for ln in table.splitlines() if ln.rstrip().endswith(" 7")]
     assert len(lines) == 3

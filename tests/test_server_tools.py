@@ -421,10 +421,12 @@ def test_a_forced_calls_template_gets_the_room_it_needs_or_none():
     # blocks keep the request; beyond them, more blocks where the context and max_tokens allow,
     # the prompt counted only then; else None (the engine returns the first pass as it is)
     from mlx_dgemma.request import GenerationRequest
-    from mlx_dgemma.server.engine import Engine
+    from mlx_dgemma.server.shaping import Shaping
 
-    engine = Engine(demo=True)  # not started: nothing is loaded
-    engine.canvas, engine.context, engine.generation_config = 64, 1000, {"max_new_tokens": 64}
+    class Model(Shaping):  # the facts a loaded model gives the engine (its host's ModelInfo)
+        canvas, context, generation_config = 64, 1000, {"max_new_tokens": 64}
+
+    engine = Model()
     request = GenerationRequest.of({"max_new_tokens": 64})
     counted: list[int] = []
 

@@ -56,6 +56,12 @@ WARMUP_PROMPT = "Hello! Who are you?"
 MLX_VLM_THRESHOLD = 0.9  # mlx_vlm.generate.diffusion.DEFAULT_DIFFUSION_CONFIDENCE_THRESHOLD
 
 
+def sampler_label(mode: Any, value: float | None) -> str:
+    """A row's sampler in the words of its acceptance mode (:mod:`mlx_dgemma.acceptance`): the
+    mode's label, and the value of the parameter that selects it."""
+    return mode.label if value is None else f"{mode.label} {value}"
+
+
 def _answer_tokens(tokens: list[int], eos: tuple[int, ...]) -> list[int]:
     """The tokens up to the end of the turn (the first EOS id, not included)."""
     for i, t in enumerate(tokens):
@@ -93,6 +99,7 @@ def _ours_answerer(model: str, precision: str = "auto", overrides: dict | None =
                    label: str = "mlx-dgemma") -> tuple[str, str, Any]:
     """(impl label, sampler label, answer(text, seed) -> run dict) for our ``stream_generate``."""
     from mlx_dgemma import load
+    from mlx_dgemma.acceptance import acceptance_of
     from mlx_dgemma.events import BlockEvent, DoneEvent, PrefillEvent
     from mlx_dgemma.generation import stream_generate
     from mlx_dgemma.sampler import SamplerParams
@@ -100,9 +107,10 @@ def _ours_answerer(model: str, precision: str = "auto", overrides: dict | None =
     rt = load(model, precision=precision)
     tok = rt.tokenizer
     overrides = dict(overrides or {})
-    eos = SamplerParams.from_config(rt.generation_config, **overrides).eos_token_id
-    sampler = ("confidence threshold " + str(overrides["accept_probability"])) \
-        if overrides.get("accept_probability") is not None else "EntropyBound"
+    params = SamplerParams.from_config(rt.generation_config, **overrides)
+    eos = params.eos_token_id
+    mode = type(acceptance_of(params))  # the row is labelled by the mode the step runs
+    sampler = sampler_label(mode, getattr(params, mode.param) if mode.param else None)
     dial = quality_of(overrides)
     if dial is not None and dial != "max":  # a setting of the speed/quality dial: say which
         sampler += f" (--quality {dial})"
@@ -205,6 +213,7 @@ def _mlx_vlm_answerer(model: str, sampler: str = "confidence-threshold",
     from mlx_vlm.generate.diffusion import stream_diffusion_generate
 
     from mlx_dgemma import load
+    from mlx_dgemma.acceptance import ConfidenceThreshold, EntropyBound
 
     from .peers import mlx_vlm_model_from_gguf
 
@@ -240,7 +249,8 @@ def _mlx_vlm_answerer(model: str, sampler: str = "confidence-threshold",
                 "answer": tok.decode(tokens), "wall_s": wall, "prefill_s": prefill,
                 "first_block_s": first if first is not None else wall, "steps_per_block": block_steps}
 
-    label = f"confidence threshold {MLX_VLM_THRESHOLD}" if sampler == "confidence-threshold" else "EntropyBound"
+    label = sampler_label(ConfidenceThreshold, MLX_VLM_THRESHOLD) if sampler == "confidence-threshold" \
+        else sampler_label(EntropyBound, None)
     form = "dense f32, reference" if bits is None else f"{bits}-bit g{MLX_VLM_GROUP}, its own quant."
     return f"mlx-vlm ({form})", label, answer
 

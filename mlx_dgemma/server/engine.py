@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from mlx_dgemma.chat_template import TOOL_CALL_CLOSE, ToolCall, parse_answer, render_chat
 from mlx_dgemma.errors import DGemmaError
@@ -37,7 +37,7 @@ from mlx_dgemma.worker import Ticket, WorkerBusy, WorkerStopped
 
 from . import toolcalls
 from .errors import APIError
-from .metrics import Histogram, Timings, prometheus_text
+from .metrics import METRICS, Histogram, Timings, prometheus_text
 from .openai import Answer, Result, marker_ids
 from .payloads import block_payload, logprob_entry, step_payload
 from .shaping import Limits, Shaping, normalize_messages, plain_chat, tools_for  # noqa: F401 - re-exported
@@ -132,8 +132,6 @@ class Engine(Shaping):
         self.model_path, self.demo, self.dtype_name, self.precision_name = model_path, demo, dtype, precision
         self.model: Any = None
         self.tokenizer: Any = None
-        self.generation_config: dict[str, Any] = {}
-        self.canvas = self.context = 0
         self.max_token_bytes = 1  # the longest token's text in UTF-8 bytes: a prompt's least token count
         self.markers: tuple[int | None, int | None] = (None, None)
         self.model_id = model_id or (DEMO_MODEL_ID if demo else model_id_of(model_path))
@@ -213,6 +211,20 @@ class Engine(Shaping):
     def waiting(self) -> int:
         return self.host.waiting
 
+    # the loaded model's facts, read from the host's ModelInfo (declared there once; 0 and {}
+    # before the load)
+    @property
+    def canvas(self) -> int:
+        return self.host.info.canvas_length if self.host.info is not None else 0
+
+    @property
+    def context(self) -> int:
+        return self.host.info.context_length if self.host.info is not None else 0
+
+    @property
+    def generation_config(self) -> Mapping[str, Any]:
+        return self.host.info.generation_config if self.host.info is not None else {}
+
     @property
     def precision(self) -> str:
         """What was loaded, e.g. "fast (bfloat16)" ("" before the load): the host's :class:`ModelInfo`."""
@@ -225,8 +237,6 @@ class Engine(Shaping):
                             self.plan)
         info = ModelInfo.of(loaded, self.model_id)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        self.canvas, self.context = info.canvas_length, info.context_length  # request shaping's copies
-        self.generation_config = dict(info.generation_config)  # (tests set them on an engine that loads nothing)
         self.max_token_bytes = max((len(t.encode("utf-8", "replace")) for t in self.tokenizer.tokens), default=1)
         self.markers = marker_ids(self.tokenizer)
         self.runtime = ModelRuntime(loaded)
@@ -273,23 +283,8 @@ class Engine(Shaping):
         self.totals["connections_refused"] += 1
 
     def metrics(self) -> list[tuple[str, str, float, str]]:
-        """(name, Prometheus type, value, help) of the counters and gauges."""
-        t = self.totals
-        return [("requests_served_total", "counter", self.served, "requests the worker ran to an end"),
-                ("requests_cancelled_total", "counter", t["cancelled"], "requests stopped before their answer"),
-                ("requests_refused_total", "counter", t["refused"], "requests refused with 503 (queue full)"),
-                ("connections_refused_total", "counter", t["connections_refused"],
-                 "connections refused, or closed to make room, with 503 (--max-connections)"),
-                ("tool_call_repairs_total", "counter", t["tool_repairs"],
-                 "forced tool calls that needed the repair pass"),
-                ("prompt_tokens_total", "counter", t["prompt_tokens"], "prompt tokens of answered requests"),
-                ("prompt_tokens_cached_total", "counter", t["cached_tokens"], "prompt tokens taken from the cache"),
-                ("completion_tokens_total", "counter", t["completion_tokens"], "tokens answered"),
-                ("denoising_steps_total", "counter", t["steps"], "decoder passes (denoising steps)"),
-                ("requests_waiting", "gauge", self.waiting, "requests waiting for their first turn"),
-                ("requests_running", "gauge", self.worker.in_progress, "requests taking turns on the model"),
-                ("worker_busy", "gauge", int(self.busy), "1 while the worker runs a request"),
-                ("memory_bytes", "gauge", self.host.memory_bytes, "memory the process holds after the last turn")]
+        """(name, Prometheus type, value, help) of the counters and gauges (:data:`.metrics.METRICS`)."""
+        return [(name, kind, read(self), help_text) for name, kind, read, help_text in METRICS]
 
     def metrics_text(self) -> str:
         """/metrics in Prometheus' text format: :meth:`metrics` and the latency histograms."""

@@ -6,7 +6,7 @@ updates them on the worker thread."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from mlx_dgemma.events import Stats
 
@@ -19,6 +19,26 @@ LATENCIES = (("queue", "from arrival to the first turn on the model"),
              ("first_block", "from arrival to the first committed block"),
              ("total", "from arrival to the answer"))
 
+
+# /metrics' counters and gauges, each (name, Prometheus type, how it is read from the engine, help)
+METRICS: tuple[tuple[str, str, Callable[[Any], float], str], ...] = (
+    ("requests_served_total", "counter", lambda e: e.served, "requests the worker ran to an end"),
+    ("requests_cancelled_total", "counter", lambda e: e.totals["cancelled"], "requests stopped before their answer"),
+    ("requests_refused_total", "counter", lambda e: e.totals["refused"], "requests refused with 503 (queue full)"),
+    ("connections_refused_total", "counter", lambda e: e.totals["connections_refused"],
+     "connections refused, or closed to make room, with 503 (--max-connections)"),
+    ("tool_call_repairs_total", "counter", lambda e: e.totals["tool_repairs"],
+     "forced tool calls that needed the repair pass"),
+    ("prompt_tokens_total", "counter", lambda e: e.totals["prompt_tokens"], "prompt tokens of answered requests"),
+    ("prompt_tokens_cached_total", "counter", lambda e: e.totals["cached_tokens"],
+     "prompt tokens taken from the cache"),
+    ("completion_tokens_total", "counter", lambda e: e.totals["completion_tokens"], "tokens answered"),
+    ("denoising_steps_total", "counter", lambda e: e.totals["steps"], "decoder passes (denoising steps)"),
+    ("requests_waiting", "gauge", lambda e: e.waiting, "requests waiting for their first turn"),
+    ("requests_running", "gauge", lambda e: e.worker.in_progress, "requests taking turns on the model"),
+    ("worker_busy", "gauge", lambda e: int(e.busy), "1 while the worker runs a request"),
+    ("memory_bytes", "gauge", lambda e: e.host.memory_bytes, "memory the process holds after the last turn"),
+)
 
 class Histogram:
     """A Prometheus histogram of seconds (cumulative buckets, sum, count); updated on the worker

@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Mapping
 
 from mlx_dgemma.chat_template import RENDER_CHARS, THOUGHT_OPEN, parse_answer, render_chat, template_for_tools
 from mlx_dgemma.errors import ParameterError
@@ -142,7 +142,7 @@ class Shaping:
     max_token_bytes: int
     tokenizer: Any
     model: Any
-    generation_config: dict[str, Any]
+    generation_config: Mapping[str, Any]
     limits: Limits
 
     def sampler_overrides(self, req: Sampling, max_tokens: int | None,
