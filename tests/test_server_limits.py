@@ -16,11 +16,12 @@ import socket
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import pytest
 
+from mlx_dgemma.host import ModelInfo
 from mlx_dgemma.request import GenerationRequest
 from mlx_dgemma.server.engine import Engine, Limits
 from mlx_dgemma.server.errors import ContextLengthError
@@ -93,8 +94,11 @@ def _engine(context: int = 4096, max_token_bytes: int = 17) -> Engine:
     e = Engine(demo=True, limits=Limits(max_request_steps=4096))
     e.tokenizer = SimpleNamespace(encode=never, chat_template=None, tokens=["x"])
     e.model = SimpleNamespace(args=SimpleNamespace(vocab_size=4096))
-    e.context, e.canvas, e.max_token_bytes = context, 64, max_token_bytes
-    e.generation_config = {"max_new_tokens": 64, "max_denoising_steps": 48}
+    e.max_token_bytes = max_token_bytes
+    # the facts a load gives the host (the engine reads canvas, context and defaults from them)
+    e.host.info = ModelInfo(name="test", precision="exact (float32)", demo=None, canvas_length=64,
+                            context_length=context, vocab_size=4096,
+                            generation_config=MappingProxyType({"max_new_tokens": 64, "max_denoising_steps": 48}))
     return e
 
 

@@ -13,7 +13,7 @@ from textual.widgets import Button, Footer, Markdown, Static
 
 WELCOME = """\
 DiffusionGemma is published on Hugging Face as a GGUF file (16.8 GB). Download it,
-convert it once to the form this machine runs and chat with it:
+convert it once for this machine and chat with it:
 
 ```
 hf download unsloth/diffusiongemma-26B-A4B-it-GGUF \\
