@@ -40,6 +40,7 @@ METRICS: tuple[tuple[str, str, Callable[[Any], float], str], ...] = (
     ("memory_bytes", "gauge", lambda e: e.host.memory_bytes, "memory the process holds after the last turn"),
 )
 
+
 class Histogram:
     """A Prometheus histogram of seconds (cumulative buckets, sum, count); updated on the worker
     thread, read by /metrics (a slightly stale read is harmless)."""
