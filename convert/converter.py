@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -299,21 +300,47 @@ def _check_output(src: Path, out: Path, force: bool) -> Path:
         raise ConvertError(f"{out.name[:40]}...: output name too long ({len(os.fsencode(out.name))} bytes; "
                            f"this file system allows {name_max}); choose a shorter name")
     if out.is_symlink() or out.exists():
-        if not force:
+        if not out.is_symlink() and out.is_dir() and not _entries(out):
+            pass  # made beforehand (mkdir ~/models/dgemma): an empty directory holds nothing to lose
+        elif not force:
             raise ConvertError(f"{out}: output directory already exists; choose another path or pass "
                                "--force to replace it")
-        if out.is_symlink() or not out.is_dir():
+        elif out.is_symlink() or not out.is_dir():
             raise ConvertError(f"{out}: exists and is not a directory; --force only replaces a directory "
                                "written by mlx-dgemma convert, remove it yourself if it should go")
-        if not is_converted_dir(out):
+        elif not is_converted_dir(out):
             raise ConvertError(f"{out}: exists and was not written by mlx-dgemma convert (no "
                                f"{REPORT_FILE}); --force only replaces our own output, choose another path")
+        else:
+            foreign = [n for n in _entries(out) if not _ours(out / n)]
+            if foreign:  # --force replaces the whole directory: a user's file put in it would go too
+                shown = ", ".join(sorted(foreign)[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+                raise ConvertError(f"{out}: also holds {shown}, which mlx-dgemma convert did not write; --force "
+                                   "replaces the whole directory: move them out first, or choose another path")
     parent = out_r.parent
     existing = next(p for p in (parent, *parent.parents) if p.exists())  # missing parents are created
     if not existing.is_dir():
         raise ConvertError(f"{existing}: not a directory, so the output {out} cannot be created there; "
                            "choose another output path")
     return parent
+
+
+# What a conversion writes into its directory (shards: model.safetensors or model-0000i-of-0000n)
+_OUR_FILES = frozenset({"config.json", "generation_config.json", "chat_template.jinja", TOKENIZER_FILE, REPORT_FILE,
+                        "model.safetensors", "model.safetensors.index.json", SIDECAR_FILE})
+_OUR_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# what a Mac's Finder leaves in any folder it showed: not the user's data
+_FOLDER_METADATA = frozenset({".DS_Store"})
+
+
+def _entries(path: Path) -> list[str]:
+    """The names in directory ``path``, the file manager's own metadata left out."""
+    return [n for n in os.listdir(path) if n not in _FOLDER_METADATA]
+
+
+def _ours(p: Path) -> bool:
+    """``p`` (in an output directory) is a file a conversion writes."""
+    return p.is_file() and not p.is_symlink() and (p.name in _OUR_FILES or _OUR_SHARD.fullmatch(p.name) is not None)
 
 
 def is_converted_dir(path: Path) -> bool:

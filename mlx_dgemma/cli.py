@@ -89,6 +89,14 @@ def _run_verify(out_dir: str, gguf: str) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .paths import check_gguf_input
 
+    from pathlib import Path
+
+    from .errors import ModelFilesError
+
+    gguf, out = Path(args.gguf).expanduser(), Path(args.out_dir).expanduser()
+    if gguf.is_dir() and out.is_file() and out.suffix.lower() == ".gguf":  # the usual slip: FILE first
+        raise ModelFilesError(f"{args.out_dir} and {args.gguf}: the other way round; the converted directory "
+                              f"comes first: mlx-dgemma verify {args.gguf} {args.out_dir}")
     check_gguf_input(args.gguf)  # a mistyped path fails before the verifier's imports
     return _run_verify(args.out_dir, args.gguf)
 
@@ -384,7 +392,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="repack a DiffusionGemma GGUF into an MLX model directory")
     c.add_argument("gguf", help="the .gguf file")
-    c.add_argument("out_dir", help="output directory, created with its parents (must not exist unless --force)")
+    c.add_argument("out_dir", help="output directory, created with its parents (must not exist, or be empty, "
+                                   "unless --force)")
     from .tiers import TIER_ROWS, TIERS
 
     form = c.add_mutually_exclusive_group()

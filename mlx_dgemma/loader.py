@@ -247,7 +247,8 @@ def plan_model(path: str | Path | ModelSource, memory_limit: int | None = None, 
         args, inventory, stored = model_inventory(path)
     plan = make_plan(str(path), args, inventory, stored, context_tokens=context_tokens or DEFAULT_CONTEXT,
                      memory_limit=memory_limit, ranks=ranks, rank=rank, machine=machine,
-                     gguf=None if stored == "gguf" else converted_from(path))
+                     gguf=None if stored == "gguf" else converted_from(path),
+                     fast_stored=stored == "exact" and fast_sidecar_recorded(path))
     return plan if source is None else replace(plan, source=source)
 
 
@@ -277,6 +278,17 @@ def converted_from(path: str | Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return source if isinstance(source, str) and source.endswith(".gguf") else None
+
+
+def fast_sidecar_recorded(path: str | Path) -> bool:
+    """A converted directory records fast's sidecar (:func:`mlx_dgemma.sidecar.recorded`)."""
+    from .sidecar import recorded
+
+    try:
+        config = json.loads((user_path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return recorded(user_path(path), config)
 
 
 @memory_errors("loading the model")  # a GPU out of memory: the one-line budget error

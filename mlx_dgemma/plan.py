@@ -132,6 +132,9 @@ class Plan:
     # load neither opens the file nor plans again. None on a plan that only prices (`plan`).
     source: Any = field(default=None, compare=False, repr=False)
     chosen: str | None = None
+    # an exact directory that holds fast's re-quantized tensors (mlx_dgemma.sidecar): fast loads
+    # from it without re-quantizing, so no advice to convert fast
+    fast_stored: bool = False
 
     def row(self, precision: str) -> PlanRow:
         return next(r for r in self.rows if r.precision == precision)
@@ -306,9 +309,16 @@ class Plan:
             lines.append("  auto: nothing fits; " + "; ".join(self.advice("auto")))
         else:
             lines.append(f"  auto loads: {best}")
-            if best != self.stored and not self.is_demo:  # made at every start (the demo's in milliseconds)
-                lines.append(f"  to load {best} without re-quantizing at every start: `{self.convert_command(best)}`")
+            made = best != self.stored and not (best == "fast" and self.fast_stored)
+            form = self.best_form(TIERS) if self.stored == "gguf" else best
+            if made and form is not None and not self.is_demo:  # made at every start (the demo's: milliseconds)
+                # a .gguf: the form `convert --precision auto` writes (exact where it runs: its
+                # directory loads fast from its sidecar); a directory: the form auto loads
+                lines.append(f"  to convert once instead of at every start: `{self.convert_command(form)}`"
+                             + (" (the form `--precision auto` writes)" if self.stored == "gguf" else ""))
         repack = self.repack_row
+        if repack is not None and not repack.loadable:  # a lossier stored form: that row is not an option
+            repack = None
         if repack is not None and repack.repacked and repack.fits:
             lines.append(f"  {repack.precision}'s figures include its 5-bit (Q5_0/Q5_1) weights repacked to 8 bits "
                          f"on the GPU (+{gb(repack.repack_bytes)}, lossless: the same values, faster kernels)")
@@ -419,11 +429,12 @@ def cuts_groups(inventory: list[TensorInfo], splits: dict[str, Split], form: str
 def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: str, *,
               context_tokens: int = DEFAULT_CONTEXT, memory_limit: int | None = None,
               gpu: bool | None = None, ranks: int = 1, rank: int = 0, machine: Machine | str | None = None,
-              budget: Budget | None = None, gguf: str | None = None) -> Plan:
+              budget: Budget | None = None, gguf: str | None = None, fast_stored: bool = False) -> Plan:
     """Price every precision for a model described by ``args`` and its tensor ``inventory``
     (``stored``: "gguf", or a directory's precision), against ``budget``, else ``memory_limit``,
     else the Mac preset ``machine``, else this device (``gpu``: where the lossy precisions run;
-    default the device's). ``gguf``: the file a directory was converted from (for the advice).
+    default the device's). ``gguf``: the file a directory was converted from (for the advice);
+    ``fast_stored``: an exact directory holding fast's sidecar (fast then needs no conversion).
     ``ranks > 1``: rank ``rank``'s share of the model split over ``ranks`` (see the module)."""
     if isinstance(machine, str):
         from .machines import machine as preset
@@ -489,7 +500,8 @@ def make_plan(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: 
         rows.append(PlanRow(p, held, est.kv_bytes, est.working_bytes, peak, loadable, fits, refused,
                             repack if extra else None, extra))
     return Plan(model, stored, context_tokens, available, budget.label, tuple(rows), ranks, rank,
-                budget.machine, gguf if gguf is not None else model if stored == "gguf" else None)
+                budget.machine, gguf if gguf is not None else model if stored == "gguf" else None,
+                fast_stored=fast_stored)
 
 
 def machine_table(model: str, args: ModelArgs, inventory: list[TensorInfo], stored: str,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
@@ -29,6 +30,14 @@ def eta(done_fraction: float, elapsed: float) -> str | None:
     return clock(elapsed / done_fraction - elapsed)
 
 
+def columns(stream: TextIO) -> int:
+    """The width of the terminal ``stream`` writes to (80 where it cannot tell)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns or 80
+    except (AttributeError, OSError, ValueError):  # no fileno (a StringIO), not a terminal, closed
+        return 80
+
+
 class ProgressBar:
     def __init__(self, label: str, unit: str = "GB", scale: float = 1e9, stream: TextIO | None = None):
         self.label, self.unit, self.scale = label, unit, scale
@@ -51,9 +60,14 @@ class ProgressBar:
             if now - self._last_draw < 0.1 and done < total:
                 return
             self._last_draw = now
-            width = 24
+            # one screen line: a longer one wraps, and "\r" then clears only its last row, so
+            # every redraw would leave a line behind (hundreds over a long convert at 80 columns);
+            # a narrow terminal gets a shorter bar, so the percentage stays in view
+            cols = columns(self.stream)
+            width = 24 if cols >= 80 else max(4, cols // 5)
             fill = int(frac * width)
-            self.stream.write("\r\x1b[2K[" + "#" * fill + " " * (width - fill) + "] " + text[:120])
+            line = "[" + "#" * fill + " " * (width - fill) + "] " + text
+            self.stream.write("\r\x1b[2K" + line[:max(1, cols - 1)])
             if done >= total:
                 self.stream.write("\n")
         else:

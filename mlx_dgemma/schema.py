@@ -236,7 +236,7 @@ class ModelArgs:
                     i = next(i for i, x in enumerate(v) if not spec.ok([x]))
                     raise ModelArgsError(f, f"{name(f)}[{i}]", " or ".join(map(repr, LAYER_TYPES)), v[i])
                 if not spec.ok(v) or len(v) != n:
-                    fail(f, f"{n} {spec.rule}")
+                    fail(f, f"{n} {spec.rule}" + (f", one a layer (it has {len(v)})" if isinstance(v, list) else ""))
             elif not spec.ok(v):
                 fail(f, spec.rule)
             elif spec.kind == "rope":  # the share of global layers' dimensions rotated

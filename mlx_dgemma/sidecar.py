@@ -172,17 +172,24 @@ def file_digest(path: Path) -> str:
     return top.hexdigest()
 
 
+def recorded(model_dir: Path, config: dict) -> bool:
+    """``model_dir``'s config.json records a sidecar of this code's rule and the file is there
+    (its checksum is :func:`usable_sidecar`'s to check, when loading)."""
+    record = (config.get("mlx_dgemma") or {}).get("fast_sidecar") if isinstance(config, dict) else None
+    return isinstance(record, dict) and record.get("file") == SIDECAR_FILE and record.get("rule") == fast_rule() \
+        and (model_dir / SIDECAR_FILE).is_file()
+
+
 def usable_sidecar(model_dir: Path, config: dict, wanted: dict[str, Target]) -> tuple[Path | None, str | None]:
     """(the sidecar file of ``model_dir``, None) if config.json records it for this code's rule,
     it holds every weight of ``wanted`` (path -> goal) with that goal, and its checksum matches
     (the whole file is read); else (None, None) when it is absent, older or of another rule
     (re-quantize, nothing to say), or (None, why) when it is recorded but its bytes are not the
     recorded ones (never used: damaged or changed)."""
-    record = (config.get("mlx_dgemma") or {}).get("fast_sidecar") if isinstance(config, dict) else None
     f = model_dir / SIDECAR_FILE
-    if not isinstance(record, dict) or record.get("file") != SIDECAR_FILE or record.get("rule") != fast_rule() \
-            or not f.is_file():
+    if not recorded(model_dir, config):
         return None, None
+    record = config["mlx_dgemma"]["fast_sidecar"]
     tensors = record.get("tensors")
     if not isinstance(tensors, dict) or any(tensors.get(p) != [g.bits, g.group_size] for p, g in wanted.items()):
         return None, None

@@ -296,6 +296,10 @@ def check_model_dir(path: str | Path) -> dict:
             raise ModelFilesError(f"{path / name}: {problem}; give a directory written by `mlx-dgemma convert` "
                                   "(or a .gguf file)")
         if problem is not None:
+            ggufs = sorted(p.name for p in path.glob("*.gguf")) if path.is_dir() else []
+            if ggufs:  # a download folder: the model is the file in it
+                raise ModelFilesError(f"{path}: not a converted directory ({name} is missing), but it holds "
+                                      f"{', '.join(ggufs[:3])}; give that file: {path / ggufs[0]}")
             raise ModelFilesError(f"{path}: {name} is missing; give a directory written by "
                                   "`mlx-dgemma convert` (or a .gguf file)")
     config = read_json(path / "config.json")

@@ -53,6 +53,17 @@ def test_missing_file(work, capsys):
     assert code == 2 and "no such file" in one_line(err)
 
 
+def test_a_download_folder_given_as_the_model_names_its_gguf(work, capsys, tiny_gguf):
+    # `--model ~/Downloads/dgemma` (the folder `hf download --local-dir` filled) said only that
+    # config.json is missing
+    folder = work / "in"
+    shutil.copy(tiny_gguf, folder / "m.gguf")
+    assert main(["generate", "--model", str(folder), "--prompt", "hi"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.endswith(f"{folder}: not a converted directory (config.json is missing), but it holds m.gguf; "
+                         f"give that file: {folder / 'm.gguf'}"), line
+
+
 def test_truncated_file(work, capsys, tiny_gguf):
     cut = work / "in" / "cut.gguf"
     data = tiny_gguf.read_bytes()

@@ -408,6 +408,27 @@ def test_progress_eta_only_when_meaningful(monkeypatch):
     assert "1:00:00 elapsed, ~4:00:00 left" in third
 
 
+def test_the_bar_stays_on_one_line_of_a_narrow_terminal(monkeypatch):
+    # a wrapped bar leaves a line behind at every redraw ("\r" clears only its last row)
+    import io
+
+    import mlx_dgemma.progress as progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for cols in (80, 40, 200):
+        monkeypatch.setattr(progress, "columns", lambda stream, cols=cols: cols)
+        out = Terminal()
+        bar = progress.ProgressBar("converting", stream=out)
+        bar.update(0.5e9, 2e9, "blk.29.ffn_gate_up_exps.weight (Q4_K -> 4-bit groups of 128, 507 M weights)")
+        drawn = out.getvalue().split("\r\x1b[2K")[-1]
+        assert drawn.startswith("[##") and "] converting  25.0%" in drawn, (cols, drawn)
+        assert len(drawn) <= cols - 1, (cols, drawn)
+    assert len(drawn) > 120  # a wide terminal shows the whole note (the old cut was 120 characters)
+
+
 def test_a_closed_pipe_is_a_quiet_stop(tiny_gguf):
     """`mlx-dgemma plan M | head -1`: the reader leaves early; no BrokenPipeError traceback."""
     import subprocess

@@ -98,6 +98,14 @@ def test_cli_convert_verify_force(tmp_path, tiny_gguf, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["cli"]
 
 
+def test_verify_with_its_arguments_swapped_says_so(tiny_gguf, tiny_model_dir, capsys):
+    # it said only "DIR: is a directory, not a file; give the path of a DiffusionGemma .gguf file"
+    assert main(["verify", str(tiny_gguf), str(tiny_model_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"mlx-dgemma verify: error: {tiny_gguf} and {tiny_model_dir}: the other way round; the converted "
+                   f"directory comes first: mlx-dgemma verify {tiny_model_dir} {tiny_gguf}"), err
+
+
 def test_gguf_loads_in_memory_like_the_converted_directory(all_types_gguf, all_types_model_dir):
     from mlx_dgemma import load
 

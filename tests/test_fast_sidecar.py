@@ -180,3 +180,16 @@ def test_the_space_estimate_counts_the_sidecar(tiny_gguf, tiny_model_dir):
         estimate = fast_sidecar_bytes([TensorInfo(*i) for i in s.inventory()], s.args.num_hidden_layers)
     actual = (tiny_model_dir / SIDECAR_FILE).stat().st_size
     assert actual <= estimate <= actual + 4096  # the header's reserve is an upper bound
+
+
+def test_plan_does_not_advise_converting_fast_beside_a_sidecar(tmp_path, tiny_gguf, tiny_model_dir, capsys):
+    # `plan EXACT_DIR` said "to load fast without re-quantizing at every start: convert ... --precision
+    # fast" though the directory's sidecar already does that; a directory without one still gets it
+    assert main(["plan", str(tiny_model_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "auto loads: fast" in out and "re-quantizing" not in out and "--precision fast" not in out, out
+    old = _old(tiny_model_dir, tmp_path / "old")
+    assert main(["plan", str(old)]) == 0
+    out = capsys.readouterr().out
+    assert f"to convert once instead of at every start: `mlx-dgemma convert {tiny_gguf.name} {old}-fast " \
+           "--precision fast`" in out, out

@@ -79,6 +79,37 @@ def test_force_replaces_its_own_output(src, tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_force_keeps_a_users_file_put_in_its_own_output(src, tmp_path, capsys):
+    # --force replaces the whole directory: a file the user put in it would go with it, silently
+    out = tmp_path / "m"
+    assert main(["convert", str(src), str(out)]) == 0
+    capsys.readouterr()
+    (out / "notes.txt").write_text("mine")
+    (out / "sub").mkdir()
+    before = sorted(p.name for p in out.iterdir())
+    code, line = run(capsys, src, out, "--force")
+    assert code == 2 and line.endswith(f"{out}: also holds notes.txt, sub, which mlx-dgemma convert did not write; "
+                                       "--force replaces the whole directory: move them out first, or choose "
+                                       "another path"), line
+    assert sorted(p.name for p in out.iterdir()) == before and (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
+    (out / "sub").rmdir()
+    (out / ".DS_Store").write_bytes(b"Bud1")  # a Mac's Finder's, not the user's: no reason to refuse
+    assert main(["convert", str(src), str(out), "--force"]) == 0
+    capsys.readouterr()
+
+
+def test_an_empty_directory_made_beforehand_is_used(src, tmp_path, capsys):
+    # mkdir ~/models/dgemma first is common; an empty directory holds nothing to lose (no --force)
+    out = tmp_path / "made"
+    out.mkdir()
+    assert main(["convert", str(src), str(out)]) == 0
+    capsys.readouterr()
+    assert (out / "config.json").is_file() and (out / "conversion_report.json").is_file()
+    code, line = run(capsys, src, out)  # not empty now: our own output, replaced only with --force
+    assert code == 2 and "already exists" in line
+
+
 @pytest.mark.parametrize("kind", ["dir", "fifo", "dev", "loop"])
 def test_input_that_is_not_a_regular_file(tmp_path, capsys, kind):
     p = tmp_path / "in.gguf"

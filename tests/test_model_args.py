@@ -99,8 +99,9 @@ def test_a_wrong_layer_type_is_named_by_its_index_and_a_missing_text_config_as_m
         f"m/config.json: text_config.layer_types[{n - 1}] = 'weird': expected 'sliding_attention' or "
         "'full_attention'; convert the model again")
     # the count is still the list's rule
-    assert f"text_config.layer_types = ['sliding_attention']: expected {n} entries of" in config_error(
-        config, layer_types=["sliding_attention"])
+    short = config_error(config, layer_types=["sliding_attention"])
+    assert f"text_config.layer_types = ['sliding_attention']: expected {n} entries of" in short
+    assert short.endswith(", one a layer (it has 1); convert the model again"), short
     cfg = copy.deepcopy(config)
     del cfg["text_config"]
     with pytest.raises(ModelFilesError, match=r"^m/config.json: text_config is missing \(the model's shape\); "

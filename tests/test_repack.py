@@ -131,6 +131,16 @@ def test_plan_falls_back_to_the_5bit_form_when_only_it_fits():
     assert f"  {note}" in plan.table()
 
 
+def test_no_repack_note_for_a_stored_form_that_cannot_load_fast():
+    # `plan Q4_DIR` on a GPU Mac told how fast's 5-bit weights would be repacked, beside a fast row
+    # it marks "-- (stored form is lossier)"
+    inv, _ = _published_inventory()
+    args = _published_args()
+    plan = make_plan("m", args, inv, "q4", memory_limit=1 << 50, gpu=True)
+    assert not plan.row("fast").loadable
+    assert not any("5-bit" in ln or "repacked" in ln for ln in plan.table()), plan.table()
+
+
 def test_the_repack_leaves_at_least_its_own_size_free():
     # a 32 GB Mac: the repacked form would fit with 0.74 GB to spare, less than the repack's 1.56:
     # it stays 5-bit there (the room is a longer conversation's), and repacks where room is ample

@@ -210,3 +210,25 @@ def test_a_wrong_method_is_told_which_methods_the_route_takes():
         assert r.json()["error"]["message"] == (f"{method} {path}: method not allowed; "
                                                 f"this route takes {r.headers['allow']}")
         assert r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_metrics_count_the_requests_answered_with_a_client_error():
+    # /metrics counted served, cancelled and 503-refused requests; a 4xx left every counter as it was
+    from fastapi.testclient import TestClient
+
+    from mlx_dgemma.server import Engine, create_app
+
+    client = TestClient(create_app(Engine(demo=True)))  # no lifespan: the model never loads
+
+    def rejected() -> int:
+        line = next(ln for ln in client.get("/metrics").text.splitlines()
+                    if ln.startswith("mlx_dgemma_requests_rejected_total "))
+        return int(float(line.split()[1]))
+
+    before = rejected()
+    statuses = [client.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}),
+                client.get("/v1/nothing"), client.delete("/health"),
+                client.post("/v1/chat/completions", content=b"x", headers={"content-type": "text/plain"})]
+    assert [r.status_code for r in statuses] == [400, 404, 405, 415]
+    assert rejected() == before + 4
+    assert client.get("/health").status_code in (200, 503) and rejected() == before + 4  # not a client error

@@ -141,7 +141,7 @@ class Engine(Shaping):
         self.stopping = False
         self.ready = threading.Event()  # loaded and warmed up: /health says ok from then on
         self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "steps": 0,
-                       "cancelled": 0, "refused": 0, "connections_refused": 0, "tool_repairs": 0}
+                       "cancelled": 0, "refused": 0, "connections_refused": 0, "tool_repairs": 0, "rejected": 0}
         self.latency = {"queue": Histogram(), "first_block": Histogram(), "total": Histogram()}
         self._session: Any = None  # the last conversation's ChatSession, if reusable
         self._session_busy = False  # a running request is using the session (others render afresh)
@@ -281,6 +281,10 @@ class Engine(Shaping):
     def connection_refused(self) -> None:
         """The connection guard refused a connection (--max-connections): counted for /metrics."""
         self.totals["connections_refused"] += 1
+
+    def rejected(self) -> None:
+        """A request was answered with a 4xx (the client's error): counted for /metrics."""
+        self.totals["rejected"] += 1
 
     def metrics(self) -> list[tuple[str, str, float, str]]:
         """(name, Prometheus type, value, help) of the counters and gauges (:data:`.metrics.METRICS`)."""

@@ -25,6 +25,8 @@ METRICS: tuple[tuple[str, str, Callable[[Any], float], str], ...] = (
     ("requests_served_total", "counter", lambda e: e.served, "requests the worker ran to an end"),
     ("requests_cancelled_total", "counter", lambda e: e.totals["cancelled"], "requests stopped before their answer"),
     ("requests_refused_total", "counter", lambda e: e.totals["refused"], "requests refused with 503 (queue full)"),
+    ("requests_rejected_total", "counter", lambda e: e.totals["rejected"],
+     "requests answered with a 4xx error (bad body or field, unknown route, too large, refused by the guard)"),
     ("connections_refused_total", "counter", lambda e: e.totals["connections_refused"],
      "connections refused, or closed to make room, with 503 (--max-connections)"),
     ("tool_call_repairs_total", "counter", lambda e: e.totals["tool_repairs"],
