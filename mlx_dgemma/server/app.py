@@ -244,8 +244,8 @@ class RequestLog:
             if "error" in info:
                 fields.append(f"error={info['error']}")
             engine = getattr(getattr(scope.get("app"), "state", None), "engine", None)
-            if engine is not None and status[0] is not None and 400 <= status[0] < 500:
-                engine.rejected()
+            if isinstance(engine, Engine) and status[0] is not None and 400 <= status[0] < 500:
+                engine.rejected()  # (an app built on a stand-in engine counts nothing)
             if scope.get("path") == "/health" and scope.get("method") in ("GET", "HEAD") and status[0] in (200, 503):
                 return  # probes every few seconds would bury the requests' lines
             log.info("%s %s %s %.3fs %s", scope.get("method"), scope.get("path"), status[0] or "-",
