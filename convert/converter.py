@@ -389,7 +389,21 @@ def remove_stale_partials(parent: Path, name: str) -> list[Path]:
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
-    if out.exists():  # --force (checked: our own output): keep it until the new one is complete
+    if out.is_dir() and not out.is_symlink() and not _entries(out):
+        # an empty directory made beforehand: the files move in and the directory stays (it may be
+        # the current directory or a mount point, which cannot be renamed); the report last, so
+        # an interrupted move never leaves what looks like a complete conversion
+        moved: list[Path] = []
+        try:
+            for name in sorted(os.listdir(tmp), key=lambda n: n == REPORT_FILE):
+                os.replace(tmp / name, out / name)
+                moved.append(out / name)
+        except BaseException:
+            for p in moved:
+                p.unlink(missing_ok=True)
+            raise
+        tmp.rmdir()
+    elif out.exists():  # --force (checked: our own output): keep it until the new one is complete
         trash = out.parent / f"{_tmp_prefix(out.name)}.old-{os.getpid()}"
         os.replace(out, trash)
         os.replace(tmp, out)

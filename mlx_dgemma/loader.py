@@ -270,13 +270,20 @@ def plan_load(path: str | Path, precision: str = "auto", memory_limit: int | Non
         raise
 
 
-def converted_from(path: str | Path) -> str | None:
-    """The .gguf a converted directory was made from, as its config.json names it, or None."""
+def _dir_config(path: str | Path) -> dict:
+    """A converted directory's config.json for the plan's advice ({} where there is none to read:
+    the load itself checks it)."""
     try:
         config = json.loads((user_path(path) / "config.json").read_text())
-        source = (config.get("mlx_dgemma") or {}).get("source")
-    except (OSError, ValueError, AttributeError):
-        return None
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def converted_from(path: str | Path) -> str | None:
+    """The .gguf a converted directory was made from, as its config.json names it, or None."""
+    section = _dir_config(path).get("mlx_dgemma")
+    source = section.get("source") if isinstance(section, dict) else None
     return source if isinstance(source, str) and source.endswith(".gguf") else None
 
 
@@ -284,11 +291,7 @@ def fast_sidecar_recorded(path: str | Path) -> bool:
     """A converted directory records fast's sidecar (:func:`mlx_dgemma.sidecar.recorded`)."""
     from .sidecar import recorded
 
-    try:
-        config = json.loads((user_path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return recorded(user_path(path), config)
+    return recorded(user_path(path), _dir_config(path))
 
 
 @memory_errors("loading the model")  # a GPU out of memory: the one-line budget error

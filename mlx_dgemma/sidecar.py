@@ -175,7 +175,8 @@ def file_digest(path: Path) -> str:
 def recorded(model_dir: Path, config: dict) -> bool:
     """``model_dir``'s config.json records a sidecar of this code's rule and the file is there
     (its checksum is :func:`usable_sidecar`'s to check, when loading)."""
-    record = (config.get("mlx_dgemma") or {}).get("fast_sidecar") if isinstance(config, dict) else None
+    section = config.get("mlx_dgemma") if isinstance(config, dict) else None
+    record = section.get("fast_sidecar") if isinstance(section, dict) else None
     return isinstance(record, dict) and record.get("file") == SIDECAR_FILE and record.get("rule") == fast_rule() \
         and (model_dir / SIDECAR_FILE).is_file()
 

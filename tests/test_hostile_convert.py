@@ -99,7 +99,7 @@ def test_force_keeps_a_users_file_put_in_its_own_output(src, tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_an_empty_directory_made_beforehand_is_used(src, tmp_path, capsys):
+def test_an_empty_directory_made_beforehand_is_used(src, tmp_path, capsys, monkeypatch):
     # mkdir ~/models/dgemma first is common; an empty directory holds nothing to lose (no --force)
     out = tmp_path / "made"
     out.mkdir()
@@ -108,6 +108,14 @@ def test_an_empty_directory_made_beforehand_is_used(src, tmp_path, capsys):
     assert (out / "config.json").is_file() and (out / "conversion_report.json").is_file()
     code, line = run(capsys, src, out)  # not empty now: our own output, replaced only with --force
     assert code == 2 and "already exists" in line
+    # the current directory (or a mount point) cannot be renamed: the files move into it
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["convert", str(src), "."]) == 0
+    capsys.readouterr()
+    assert (here / "config.json").is_file() and (here / "conversion_report.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left beside it
 
 
 @pytest.mark.parametrize("kind", ["dir", "fifo", "dev", "loop"])
